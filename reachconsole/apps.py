@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class ReachConsoleConfig(AppConfig):
+    name = "reachconsole"
+    verbose_name = "reachconsole"

@@ -1,0 +1,213 @@
+"""Settings for reachconsole. Everything a deployment changes comes from the environment.
+
+Embedded mode (no REDIS_URL, no MQTT_URL, no DATABASE_URL) runs the whole console in one
+process on SQLite, an in-memory channel layer and Celery transport, and an embedded broker.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from urllib.parse import urlparse
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from reachconsole.env import env_bool, env_float, env_int, env_list, env_str
+from reachconsole.tokens import tokens_parse
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+RUN_DIR = Path(env_str("REACH_RUN_DIR", str(BASE_DIR / ".run")))
+RUN_DIR.mkdir(parents=True, exist_ok=True)
+
+DEBUG = env_bool("DJANGO_DEBUG", False)
+SECRET_KEY = env_str("DJANGO_SECRET_KEY")
+if not SECRET_KEY:
+    if not DEBUG and env_bool("REACH_REQUIRE_SECRET_KEY", False):
+        raise ImproperlyConfigured("DJANGO_SECRET_KEY (or DJANGO_SECRET_KEY_FILE) must be set")
+    # A key kept beside the SQLite file: sessions survive restarts of the embedded console.
+    key_file = RUN_DIR / "secret_key"
+    if not key_file.exists():
+        key_file.write_text(secrets.token_urlsafe(50), encoding="utf-8")
+        key_file.chmod(0o600)
+    SECRET_KEY = key_file.read_text(encoding="utf-8").strip()
+
+ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
+CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", "")
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_htmx",
+    "channels",
+    "reachconsole",
+    "roster",
+    "directory",
+    "messages.apps.A2AConfig",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "reachconsole.urls"
+ASGI_APPLICATION = "reachconsole.asgi.application"
+WSGI_APPLICATION = "reachconsole.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- database -----------------------------------------------------------------------------
+DATABASE_URL = env_str("DATABASE_URL") or f"sqlite:///{RUN_DIR / 'reachconsole.sqlite3'}"
+try:
+    _db = dj_database_url.parse(DATABASE_URL, conn_max_age=60, conn_health_checks=True)
+except ValueError as exc:
+    raise ImproperlyConfigured(f"DATABASE_URL is not usable: {exc}") from exc
+if _db["ENGINE"] == "django.db.backends.sqlite3":
+    _db["CONN_MAX_AGE"] = 0
+    _db["OPTIONS"] = {
+        # IMMEDIATE takes the write lock when a transaction starts, so a read-then-write
+        # claim cannot interleave with another writer (SQLite has no row locks).
+        "transaction_mode": "IMMEDIATE",
+        "timeout": 20,
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+    # A file, not shared-cache memory: tests run threads that write concurrently.
+    _db["TEST"] = {"NAME": str(RUN_DIR / "test-reachconsole.sqlite3")}
+DATABASES = {"default": _db}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Redis: channel layer, cache, Celery --------------------------------------------------
+REDIS_URL = env_str("REDIS_URL") or None
+EMBEDDED = REDIS_URL is None
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL], "prefix": env_str("REACH_CHANNEL_PREFIX", "reach")},
+        }
+    }
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": "reach",
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
+CELERY_BROKER_URL = REDIS_URL or "memory://localhost/"
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 4
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULE_FILENAME = str(RUN_DIR / "celerybeat-schedule")
+CELERY_TIMEZONE = "UTC"
+
+# --- MQTT ---------------------------------------------------------------------------------
+MQTT_URL = env_str("MQTT_URL") or None
+if MQTT_URL and urlparse(MQTT_URL).scheme not in {"mqtt", "mqtts", "tcp"}:
+    raise ImproperlyConfigured(f"MQTT_URL={MQTT_URL!r}: use mqtt://host:port or mqtts://host:port")
+MQTT_TOPIC_PREFIX = env_str("MQTT_TOPIC_PREFIX", "ooder")
+REACH_EMBEDDED_MQTT_PORT = env_int("REACH_EMBEDDED_MQTT_PORT", 1883, minimum=1)
+REACH_NODE_ID = env_str("REACH_NODE_ID", "console")
+REACH_MAX_MESSAGE_BYTES = env_int("REACH_MAX_MESSAGE_BYTES", 256 * 1024, minimum=1024)
+
+# --- the roster ---------------------------------------------------------------------------
+REACH_LEASE_TTL_MS = env_int("REACH_LEASE_TTL_MS", 15000, minimum=1000)
+REACH_HEARTBEAT_MS = env_int("REACH_HEARTBEAT_MS", 5000, minimum=100)
+if REACH_HEARTBEAT_MS >= REACH_LEASE_TTL_MS:
+    raise ImproperlyConfigured(
+        f"REACH_HEARTBEAT_MS ({REACH_HEARTBEAT_MS}) must be shorter than REACH_LEASE_TTL_MS "
+        f"({REACH_LEASE_TTL_MS}), or every lease lapses between two heartbeats"
+    )
+REACH_LEASE_SWEEP_S = env_float("REACH_LEASE_SWEEP_S", 1.0, minimum=0.1)
+REACH_MAX_METADATA_BYTES = env_int("REACH_MAX_METADATA_BYTES", 16 * 1024, minimum=256)
+
+# Only one beat may run; every periodic task also guards its claims, so two are harmless.
+CELERY_BEAT_SCHEDULE = {
+    "leases-expire": {"task": "roster.tasks.leases_expire", "schedule": REACH_LEASE_SWEEP_S},
+    "nodes-sweep": {"task": "roster.tasks.nodes_sweep", "schedule": max(REACH_LEASE_SWEEP_S, 2)},
+}
+
+# --- northbound API auth ------------------------------------------------------------------
+REACH_SERVICE_TOKENS = tokens_parse(env_list("REACH_SERVICE_TOKENS"))
+REACH_TRUSTED_SOURCES = frozenset(
+    env_list("REACH_TRUSTED_SOURCES", "studio,aiserver,bpm-server,scene-engine,im-ai")
+)
+
+REACH_ADMIN_USER = env_str("REACH_ADMIN_USER", "admin")
+REACH_ADMIN_PASSWORD = env_str("REACH_ADMIN_PASSWORD")
+
+# --- the web ------------------------------------------------------------------------------
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "roster:health"
+LOGOUT_REDIRECT_URL = "login"
+STATIC_URL = "static/"
+STATIC_ROOT = Path(env_str("REACH_STATIC_ROOT", str(BASE_DIR / "staticfiles")))
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)
+STATICFILES_DIRS = [BASE_DIR / "static"]
+WHITENOISE_USE_FINDERS = True  # serve straight from static/ without collectstatic
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+DATA_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
+
+SESSION_COOKIE_HTTPONLY = True
+CSRF_COOKIE_HTTPONLY = False  # htmx reads it for hx-headers
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
+if not DEBUG and env_bool("REACH_HTTPS", False):
+    SECURE_SSL_REDIRECT = True
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = env_int("REACH_HSTS_SECONDS", 31536000)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = True
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("REACH_LOG_LEVEL", "INFO")},
+    "loggers": {
+        "amqtt": {"level": "WARNING"},
+        "transitions": {"level": "WARNING"},
+        "daphne": {"level": "WARNING"},
+        "django.channels.server": {"level": "WARNING"},
+        # One line per periodic task every second drowns what an operator needs to read.
+        "celery.app.trace": {"level": "WARNING"},
+        "celery.worker.strategy": {"level": "WARNING"},
+        "celery.beat": {"level": "WARNING"},
+    },
+}

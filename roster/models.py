@@ -1,0 +1,141 @@
+"""The roster: which agents exist, where they live, and whether their lease still holds."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+NAMESPACE_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}(\.[A-Za-z0-9][A-Za-z0-9_-]{0,63}){0,7}$")
+NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+
+
+class Namespace(models.Model):
+    name = models.CharField(max_length=64, unique=True)
+    description = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ClusterNode(models.Model):
+    class Status(models.TextChoices):
+        ONLINE = "ONLINE", "online"
+        SILENT = "SILENT", "silent"  # known, but nothing heard within a lease TTL
+
+    node_id = models.CharField(max_length=128, unique=True)
+    url = models.CharField(max_length=500, blank=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ONLINE)
+    # Null until the node sends a heartbeat: a registration alone does not prove it runs.
+    last_seen_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    heartbeat_ms = models.PositiveIntegerField(null=True, blank=True)
+    retired = models.BooleanField(default=False, help_text="Taken out of service by an operator")
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["node_id"]
+
+    def __str__(self) -> str:
+        return self.node_id
+
+    def seen_within(self, window: timedelta, now: datetime | None = None) -> bool:
+        """Whether the node was heard from on the bus within `window` of `now`."""
+        if self.last_seen_at is None:
+            return False
+        return (now or timezone.now()) - self.last_seen_at <= window
+
+
+class Agent(models.Model):
+    class Status(models.TextChoices):
+        ONLINE = "ONLINE", "online"
+        DRAINING = "DRAINING", "draining"
+        OFFLINE = "OFFLINE", "offline"
+
+    namespace = models.ForeignKey(Namespace, on_delete=models.PROTECT, related_name="agents")
+    name = models.CharField(max_length=200)
+    agent_id = models.CharField(max_length=265, unique=True)
+    node = models.ForeignKey(ClusterNode, on_delete=models.PROTECT, related_name="agents")
+    version = models.CharField(max_length=64, blank=True)
+    endpoint = models.CharField(max_length=500, blank=True)
+    owner = models.CharField(max_length=128, blank=True)
+    capabilities = models.JSONField(default=list, blank=True)
+    groups = models.JSONField(default=list, blank=True)
+    metadata = models.JSONField(default=dict, blank=True)
+    max_inflight = models.PositiveIntegerField(default=8)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ONLINE)
+    lease_expires_at = models.DateTimeField(db_index=True)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    drained_at = models.DateTimeField(null=True, blank=True)
+    expired_at = models.DateTimeField(null=True, blank=True)
+    inflight = models.PositiveIntegerField(default=0)
+    queue_depth = models.PositiveIntegerField(default=0)
+    registered_at = models.DateTimeField(default=timezone.now, editable=False)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["agent_id"]
+        indexes = [models.Index(fields=["status", "lease_expires_at"], name="agent_status_lease")]
+        permissions = [("drain_agent", "Can drain and deregister agents from the console")]
+
+    def __str__(self) -> str:
+        return self.agent_id
+
+    @property
+    def capability_segment(self) -> str:
+        """The last segment of the name: `tax` in `fin.tax`."""
+        return self.name.rsplit(".", 1)[-1]
+
+    def lease_remaining(self, now: datetime | None = None) -> timedelta:
+        return self.lease_expires_at - (now or timezone.now())
+
+    def is_stale(self, now: datetime | None = None) -> bool:
+        """Missed two heartbeats in a row while its lease still runs: an early warning."""
+        if self.status == self.Status.OFFLINE:
+            return False
+        window = timedelta(milliseconds=2 * settings.REACH_HEARTBEAT_MS)
+        seen = self.last_heartbeat_at or self.registered_at
+        return (now or timezone.now()) - seen > window
+
+    def is_routable(self, now: datetime | None = None) -> bool:
+        """New work may be sent to it: online, lease valid, not draining."""
+        now = now or timezone.now()
+        return self.status == self.Status.ONLINE and self.lease_expires_at > now
+
+
+class RosterEvent(models.Model):
+    """One row per change of an agent's life: the history an operator reads afterwards.
+
+    Kept by agent id (not a foreign key) so the history outlives a deregistered agent.
+    """
+
+    class Kind(models.TextChoices):
+        REGISTERED = "REGISTERED", "registered"
+        MOVED = "MOVED", "moved to another node"
+        DRAINED = "DRAINED", "drain started"
+        DEREGISTERED = "DEREGISTERED", "deregistered"
+        EXPIRED = "EXPIRED", "lease expired"
+        REMOVED = "REMOVED", "removed after drain"
+        REVIVED = "REVIVED", "back online"
+        CONFLICT = "CONFLICT", "listed by another node"
+
+    at = models.DateTimeField(default=timezone.now, db_index=True)
+    agent_id = models.CharField(max_length=265, db_index=True)
+    node_id = models.CharField(max_length=128, blank=True)
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    actor = models.CharField(max_length=150, blank=True, help_text="user, token or sweeper")
+    detail = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-at", "-id"]
+        indexes = [models.Index(fields=["kind", "at"], name="rosterevent_kind_at")]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.agent_id} {self.kind}"

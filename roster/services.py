@@ -1,0 +1,435 @@
+"""Every write to the roster. Views, the API, tasks and the bridge call these; nothing else
+writes roster models.
+
+Each function owns its transaction and is keyword-only. Times come in as arguments where a
+caller (a test, a sweep) needs to control them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from roster.errors import (
+    AGENT_ID_HELP,
+    AgentHeldElsewhere,
+    AgentNotFound,
+    InvalidAgentId,
+    InvalidField,
+    NodeNotFound,
+    WrongNode,
+)
+from roster.models import NAME_RE, NAMESPACE_RE, NODE_ID_RE, Agent, ClusterNode, Namespace
+from roster.models import RosterEvent as Event
+
+log = logging.getLogger(__name__)
+
+CAPABILITY_RE = NAME_RE
+MAX_LABELS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class AgentRef:
+    namespace: str
+    name: str
+
+    @property
+    def agent_id(self) -> str:
+        return f"{self.namespace}.{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    agent: Agent
+    created: bool
+    lease_ttl_ms: int
+    heartbeat_ms: int
+    max_message_bytes: int
+
+    @property
+    def expires_at(self) -> datetime:
+        return self.agent.lease_expires_at
+
+
+def agent_id_parse(raw: Any) -> AgentRef:
+    """`fin.tax` or `fin/tax` → AgentRef; anything else raises InvalidAgentId."""
+    if not isinstance(raw, str) or not raw.strip():
+        raise InvalidAgentId(f"agentId is missing; {AGENT_ID_HELP}")
+    text = raw.strip()
+    if "/" in text:
+        namespace, _, name = text.partition("/")
+    else:
+        namespace, _, name = text.partition(".")
+    if not NAMESPACE_RE.match(namespace) or not name or not NAME_RE.match(name):
+        raise InvalidAgentId(f"`{raw[:100]}` is not a valid agent id; {AGENT_ID_HELP}")
+    return AgentRef(namespace=namespace, name=name)
+
+
+def node_id_check(raw: Any, *, field: str = "nodeId") -> str:
+    if not isinstance(raw, str) or not NODE_ID_RE.match(raw):
+        raise InvalidField(
+            f"{field} `{str(raw)[:100]}` is not a node id: 1-128 letters, digits, '-', '_', '.', "
+            "':' starting with a letter or digit (no '/', '+' or '#': it becomes an MQTT topic)"
+        )
+    return raw
+
+
+def _labels_check(values: Any, *, field: str, prefix: str = "") -> list[str]:
+    if values is None:
+        return []
+    if not isinstance(values, list) or len(values) > MAX_LABELS:
+        raise InvalidField(f"{field} must be a list of at most {MAX_LABELS} names")
+    clean: list[str] = []
+    for value in values:
+        name = value[len(prefix) :] if prefix and isinstance(value, str) and value.startswith(
+            prefix
+        ) else value
+        if not isinstance(name, str) or not CAPABILITY_RE.match(name):
+            raise InvalidField(
+                f"{field}: `{str(value)[:60]}` is not a name (letters, digits, '-', '_', '.')"
+            )
+        label = f"{prefix}{name}"
+        if label not in clean:
+            clean.append(label)
+    return clean
+
+
+def _metadata_check(metadata: Any) -> dict:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise InvalidField("metadata must be a JSON object")
+    size = len(json.dumps(metadata, ensure_ascii=False).encode())
+    limit = settings.REACH_MAX_METADATA_BYTES
+    if size > limit:
+        raise InvalidField(
+            f"metadata is {size} bytes as JSON; the limit is {limit} bytes "
+            "(REACH_MAX_METADATA_BYTES). Keep large documents elsewhere and link to them."
+        )
+    return metadata
+
+
+def _lease_ttl() -> timedelta:
+    return timedelta(milliseconds=settings.REACH_LEASE_TTL_MS)
+
+
+def _lease(agent: Agent, *, created: bool) -> Lease:
+    return Lease(
+        agent=agent,
+        created=created,
+        lease_ttl_ms=settings.REACH_LEASE_TTL_MS,
+        heartbeat_ms=settings.REACH_HEARTBEAT_MS,
+        max_message_bytes=settings.REACH_MAX_MESSAGE_BYTES,
+    )
+
+
+def _node_get_or_create(node_id: str, url: str = "") -> ClusterNode:
+    node, _ = ClusterNode.objects.get_or_create(node_id=node_id, defaults={"url": url})
+    return node
+
+
+def agent_register(
+    *,
+    agent_id: Any,
+    node_id: Any,
+    version: str = "",
+    capabilities: Any = None,
+    groups: Any = None,
+    endpoint: str = "",
+    max_inflight: int | None = None,
+    metadata: Any = None,
+    owner: str = "",
+    actor: str = "",
+    now: datetime | None = None,
+    _retried: bool = False,
+) -> Lease:
+    """Register an agent on a node, or refresh the registration of the same identity.
+
+    Idempotent: the same agent registering again from the same node keeps its row and gets a
+    new lease. From another node it moves only when the old lease has lapsed; while the old
+    holder's lease runs the call is refused with the holder named, because two nodes both
+    believing they host an agent is how messages get executed twice.
+    """
+    ref = agent_id_parse(agent_id)
+    node_id = node_id_check(node_id)
+    caps = _labels_check(capabilities, field="capabilities")
+    grps = _labels_check(groups, field="groups", prefix="#")
+    meta = _metadata_check(metadata)
+    if max_inflight is not None and not (1 <= max_inflight <= 100_000):
+        raise InvalidField("maxInflight must be between 1 and 100000")
+    now = now or timezone.now()
+    fields = {
+        "version": (version or "")[:64],
+        "endpoint": (endpoint or "")[:500],
+        "capabilities": caps or [ref.name.rsplit(".", 1)[-1]],
+        "groups": grps,
+        "metadata": meta,
+        "lease_expires_at": now + _lease_ttl(),
+    }
+    if owner:
+        fields["owner"] = owner[:128]
+    if max_inflight is not None:
+        fields["max_inflight"] = max_inflight
+
+    try:
+        with transaction.atomic():
+            namespace, _ = Namespace.objects.get_or_create(name=ref.namespace)
+            node = _node_get_or_create(node_id)
+            agent = (
+                Agent.objects.select_for_update()
+                .select_related("node")
+                .filter(agent_id=ref.agent_id)
+                .first()
+            )
+            if agent is None:
+                agent = Agent.objects.create(
+                    namespace=namespace, name=ref.name, agent_id=ref.agent_id, node=node,
+                    status=Agent.Status.ONLINE, registered_at=now, last_heartbeat_at=now,
+                    **fields,
+                )
+                Event.objects.create(
+                    agent_id=agent.agent_id, node_id=node_id, kind=Event.Kind.REGISTERED,
+                    actor=actor, at=now,
+                )
+                return _lease(agent, created=True)
+
+            kind = Event.Kind.REGISTERED
+            if agent.node_id != node.pk:
+                holder = agent.node.node_id
+                if agent.status != Agent.Status.OFFLINE and agent.lease_expires_at > now:
+                    raise AgentHeldElsewhere(
+                        f"{agent.agent_id} is registered on node {holder} and its lease runs "
+                        f"until {agent.lease_expires_at.isoformat()}; drain or deregister it "
+                        f"there first, or wait for the lease to lapse"
+                    )
+                kind = Event.Kind.MOVED
+                agent.node = node
+            for key, value in fields.items():
+                setattr(agent, key, value)
+            agent.last_heartbeat_at = now
+            agent.expired_at = None
+            # A drain is an operator's decision: a re-registration does not undo it.
+            if agent.status == Agent.Status.OFFLINE:
+                agent.status = Agent.Status.ONLINE
+            agent.save()
+            detail = f"from {holder}" if kind == Event.Kind.MOVED else "re-registered"
+            Event.objects.create(
+                agent_id=agent.agent_id, node_id=node_id, kind=kind, actor=actor, at=now,
+                detail=detail,
+            )
+            return _lease(agent, created=False)
+    except IntegrityError:
+        if _retried:
+            raise
+        # Two first registrations of one id raced; the loser runs again as a re-registration.
+        return agent_register(
+            agent_id=agent_id, node_id=node_id, version=version, capabilities=capabilities,
+            groups=groups, endpoint=endpoint, max_inflight=max_inflight, metadata=metadata,
+            owner=owner, actor=actor, now=now, _retried=True,
+        )
+
+
+def agent_renew(
+    *,
+    agent_id: str,
+    node_id: str | None = None,
+    inflight: int | None = None,
+    queue_depth: int | None = None,
+    now: datetime | None = None,
+) -> Lease:
+    """Renew one agent's lease (an HTTP heartbeat). It never registers an agent.
+
+    An OFFLINE agent that renews comes back ONLINE: it is still on the roster, and a
+    heartbeat proves it is alive. A DRAINING one stays DRAINING.
+    """
+    ref = agent_id_parse(agent_id)
+    now = now or timezone.now()
+    with transaction.atomic():
+        agent = (
+            Agent.objects.select_for_update().select_related("node")
+            .filter(agent_id=ref.agent_id).first()
+        )
+        if agent is None:
+            raise AgentNotFound(
+                f"{ref.agent_id} is not on the roster; register it with "
+                "POST /api/roster/agents before sending heartbeats"
+            )
+        holder = agent.node.node_id
+        if node_id is not None and holder != node_id:
+            Event.objects.create(
+                agent_id=agent.agent_id, node_id=node_id, kind=Event.Kind.CONFLICT, at=now,
+                detail=f"heartbeat from {node_id}, but the roster places it on {holder}",
+            )
+        else:
+            agent.lease_expires_at = now + _lease_ttl()
+            agent.last_heartbeat_at = now
+            if inflight is not None:
+                agent.inflight = max(0, int(inflight))
+            if queue_depth is not None:
+                agent.queue_depth = max(0, int(queue_depth))
+            update = ["lease_expires_at", "last_heartbeat_at", "inflight", "queue_depth",
+                      "updated_at"]
+            if agent.status == Agent.Status.OFFLINE:
+                agent.status = Agent.Status.ONLINE
+                agent.expired_at = None
+                update += ["status", "expired_at"]
+                Event.objects.create(
+                    agent_id=agent.agent_id, node_id=holder, kind=Event.Kind.REVIVED, at=now,
+                    detail="heartbeat after the lease lapsed",
+                )
+            agent.save(update_fields=update)
+            # A heartbeat over HTTP has the same effect as one over MQTT: the node is alive.
+            ClusterNode.objects.filter(pk=agent.node.pk).update(
+                last_seen_at=now, status=ClusterNode.Status.ONLINE
+            )
+            return _lease(agent, created=False)
+    # Raised after the commit so the recorded conflict stays for operators to see.
+    raise WrongNode(
+        f"{agent.agent_id} is registered on node {holder}, not {node_id}; "
+        "register it on the new node once the old lease lapses"
+    )
+
+
+def _agent_for_update(agent_id: str) -> Agent:
+    ref = agent_id_parse(agent_id)
+    agent = (
+        Agent.objects.select_for_update().select_related("node")
+        .filter(agent_id=ref.agent_id).first()
+    )
+    if agent is None:
+        raise AgentNotFound(f"{ref.agent_id} is not on the roster")
+    return agent
+
+
+def agent_drain(*, agent_id: str, actor: str = "", now: datetime | None = None) -> Agent:
+    """Phase 1 of leaving: from this moment no new work is routed to the agent.
+
+    Its lease keeps running so work already in flight can finish; when the lease lapses the
+    sweeper removes it. Draining twice is a no-op.
+    """
+    now = now or timezone.now()
+    with transaction.atomic():
+        agent = _agent_for_update(agent_id)
+        if agent.status == Agent.Status.DRAINING:
+            return agent
+        agent.status = Agent.Status.DRAINING
+        agent.drained_at = now
+        agent.save(update_fields=["status", "drained_at", "updated_at"])
+        Event.objects.create(
+            agent_id=agent.agent_id, node_id=agent.node.node_id, kind=Event.Kind.DRAINED,
+            actor=actor, at=now,
+        )
+    return agent
+
+
+def agent_deregister(*, agent_id: str, actor: str = "", now: datetime | None = None) -> str:
+    """Phase 2 of leaving: the agent is taken off the roster. Returns the node it was on."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        agent = _agent_for_update(agent_id)
+        node_id = agent.node.node_id
+        agent.delete()
+        Event.objects.create(
+            agent_id=agent.agent_id, node_id=node_id, kind=Event.Kind.DEREGISTERED,
+            actor=actor, at=now,
+        )
+    return node_id
+
+
+@dataclass(frozen=True, slots=True)
+class ExpiryCounts:
+    offline: int
+    removed: int
+
+
+def leases_expire(*, now: datetime | None = None, batch: int = 5000) -> ExpiryCounts:
+    """Set-wise sweep of lapsed leases: ONLINE → OFFLINE, DRAINING → removed.
+
+    Rows are claimed with `skip_locked` and changed with updates guarded on the old status,
+    so two sweepers running at once never count, log or remove an agent twice.
+    """
+    now = now or timezone.now()
+    with transaction.atomic():
+        claimed = list(
+            Agent.objects.select_for_update(skip_locked=True, of=("self",))
+            .filter(
+                status__in=[Agent.Status.ONLINE, Agent.Status.DRAINING],
+                lease_expires_at__lt=now,
+            )
+            .values_list("id", "agent_id", "status", "node__node_id")[:batch]
+        )
+        if not claimed:
+            return ExpiryCounts(offline=0, removed=0)
+        online = [row for row in claimed if row[2] == Agent.Status.ONLINE]
+        draining = [row for row in claimed if row[2] == Agent.Status.DRAINING]
+        offline = Agent.objects.filter(
+            id__in=[row[0] for row in online], status=Agent.Status.ONLINE,
+            lease_expires_at__lt=now,
+        ).update(status=Agent.Status.OFFLINE, expired_at=now, inflight=0, updated_at=now)
+        removed, _ = Agent.objects.filter(
+            id__in=[row[0] for row in draining], status=Agent.Status.DRAINING,
+            lease_expires_at__lt=now,
+        ).delete()
+        events = [
+            Event(agent_id=row[1], node_id=row[3], kind=Event.Kind.EXPIRED, actor="sweeper",
+                  at=now)
+            for row in online
+        ] + [
+            Event(agent_id=row[1], node_id=row[3], kind=Event.Kind.REMOVED, actor="sweeper",
+                  at=now, detail="lease lapsed while draining")
+            for row in draining
+        ]
+        if offline == len(online) and removed == len(draining):
+            Event.objects.bulk_create(events)
+        else:  # pragma: no cover - only when a lock was not honoured
+            log.warning("lease sweep changed %s/%s rows it had claimed", offline + removed,
+                        len(claimed))
+    return ExpiryCounts(offline=offline, removed=removed)
+
+
+def node_seen(
+    *,
+    node_id: str,
+    url: str | None = None,
+    heartbeat_ms: int | None = None,
+    now: datetime | None = None,
+) -> ClusterNode:
+    """Record that a node spoke on the bus (a heartbeat): last seen now, status ONLINE."""
+    node_id = node_id_check(node_id)
+    now = now or timezone.now()
+    changes: dict[str, Any] = {"last_seen_at": now, "status": ClusterNode.Status.ONLINE}
+    if url is not None:
+        changes["url"] = url[:500]
+    if heartbeat_ms is not None:
+        changes["heartbeat_ms"] = heartbeat_ms
+    with transaction.atomic():
+        updated = ClusterNode.objects.filter(node_id=node_id).update(**changes)
+        if not updated:
+            try:
+                with transaction.atomic():
+                    ClusterNode.objects.create(node_id=node_id, **changes)
+            except IntegrityError:  # created by a concurrent caller in between
+                ClusterNode.objects.filter(node_id=node_id).update(**changes)
+    return ClusterNode.objects.get(node_id=node_id)
+
+
+def nodes_sweep(*, now: datetime | None = None) -> int:
+    """Nodes not heard from within a lease TTL become SILENT. Returns how many changed."""
+    now = now or timezone.now()
+    return ClusterNode.objects.filter(
+        status=ClusterNode.Status.ONLINE, last_seen_at__lt=now - _lease_ttl()
+    ).update(status=ClusterNode.Status.SILENT)
+
+
+def node_retire(*, node_id: str, retired: bool = True) -> ClusterNode:
+    with transaction.atomic():
+        if not ClusterNode.objects.filter(node_id=node_id).update(retired=retired):
+            raise NodeNotFound(f"node {node_id} is not known to the console")
+    return ClusterNode.objects.get(node_id=node_id)

@@ -1,0 +1,18 @@
+"""Thin periodic tasks: each calls one service, which guards its own claims."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from roster import services
+
+
+@shared_task(name="roster.tasks.leases_expire", ignore_result=True)
+def leases_expire() -> dict[str, int]:
+    counts = services.leases_expire()
+    return {"offline": counts.offline, "removed": counts.removed}
+
+
+@shared_task(name="roster.tasks.nodes_sweep", ignore_result=True)
+def nodes_sweep() -> int:
+    return services.nodes_sweep()

@@ -1,0 +1,12 @@
+from django.urls import path
+
+from roster import views
+
+app_name = "roster"
+urlpatterns = [
+    path("", views.health, name="health"),
+    path("agents/<str:agent_id>/", views.agent_detail, name="agent"),
+    path("agents/<str:agent_id>/drain", views.agent_drain, name="drain"),
+    path("agents/<str:agent_id>/deregister", views.agent_deregister, name="deregister"),
+    path("cluster/", views.nodes, name="nodes"),
+]

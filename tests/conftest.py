@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import os
+from datetime import datetime, timedelta
+
+import pytest
+from django.test import Client
+from django.utils import timezone
+
+from reachconsole.tokens import tokens_parse
+from roster import services
+
+TOKEN = "test-token-aaaaaaaaaaaaaaaa"
+ROTATED_TOKEN = "test-token-bbbbbbbbbbbbbbbb"
+FIN_TOKEN = "test-token-fin-cccccccccccc"
+
+
+@pytest.fixture(autouse=True)
+def _service_tokens(settings):
+    settings.REACH_SERVICE_TOKENS = tokens_parse([TOKEN, ROTATED_TOKEN, f"{FIN_TOKEN}@fin+llm"])
+
+
+class ApiClient:
+    """A machine caller: a bearer token and a trusted source on every request."""
+
+    def __init__(self, token: str = TOKEN, source: str = "studio", actor: str = ""):
+        self.client = Client()
+        self.headers = {"Authorization": f"Bearer {token}", "X-OODER-Source": source}
+        if actor:
+            self.headers["X-OODER-Actor"] = actor
+
+    def _call(self, method: str, path: str, body=None, raw: str | None = None):
+        kwargs = {"headers": self.headers}
+        if raw is not None:
+            kwargs.update(data=raw, content_type="application/json")
+        elif body is not None:
+            kwargs.update(data=body, content_type="application/json")
+        else:
+            kwargs.update(data="", content_type="application/json")
+        return getattr(self.client, method)(path, **kwargs)
+
+    def get(self, path: str, params: dict | None = None):
+        return self.client.get(path, params or {}, headers=self.headers)
+
+    def post(self, path: str, body=None, raw: str | None = None):
+        return self._call("post", path, body, raw)
+
+    def delete(self, path: str):
+        return self._call("delete", path)
+
+
+@pytest.fixture
+def api() -> ApiClient:
+    return ApiClient()
+
+
+@pytest.fixture
+def now() -> datetime:
+    return timezone.now()
+
+
+def register(agent_id: str, node_id: str = "node-a", *, now: datetime | None = None, **extra):
+    return services.agent_register(agent_id=agent_id, node_id=node_id, now=now, **extra).agent
+
+
+def later(moment: datetime, ms: int) -> datetime:
+    return moment + timedelta(milliseconds=ms)
+
+
+def expect_real_services() -> bool:
+    """CI's second run sets this: PostgreSQL, Redis and Mosquitto must really be in use."""
+    return os.environ.get("REACH_EXPECT_REAL_SERVICES") == "1"

@@ -1,0 +1,144 @@
+"""`make run` for real: the one-process console with its worker, beat, broker and simulator."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "embedded-run-token-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def embedded_env() -> dict[str, str]:
+    """This process's environment less the variables that select real services."""
+    return {k: v for k, v in os.environ.items()
+            if k not in {"DATABASE_URL", "REDIS_URL", "MQTT_URL"}}
+
+
+def get_json(url: str):
+    request = urllib.request.Request(
+        url, headers={"Authorization": f"Bearer {TOKEN}", "X-OODER-Source": "studio"}
+    )
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def post_json(url: str, body: dict):
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST",
+        headers={"Authorization": f"Bearer {TOKEN}", "X-OODER-Source": "studio",
+                 "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def wait_for(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except OSError as exc:
+            last = exc
+        time.sleep(0.2)
+    raise AssertionError(f"{what} within {timeout} s; last: {last!r}")
+
+
+@pytest.fixture
+def console(tmp_path):
+    port, mqtt_port = free_port(), free_port()
+    env = embedded_env()
+    env.update(
+        REACH_RUN_DIR=str(tmp_path), REACH_EMBEDDED_MQTT_PORT=str(mqtt_port),
+        REACH_SERVICE_TOKENS=TOKEN, REACH_ADMIN_PASSWORD="admin-pw-123",
+        REACH_LEASE_TTL_MS="1500", REACH_HEARTBEAT_MS="400", REACH_LEASE_SWEEP_S="0.3",
+        PYTHONUNBUFFERED="1",
+    )
+    log = open(tmp_path / "console.log", "w+")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "manage.py", "runconsole", "--port", str(port),
+         "--simulate-nodes", "2", "--simulate-agents", "4"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: get_json(f"{base}/healthz"), 60, "the console did not answer")
+        yield base, proc, tmp_path / "console.log"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()
+
+
+def test_it_runs_the_whole_console_in_one_process(console):
+    base, proc, log_path = console
+
+    agents = wait_for(
+        lambda: [a for a in get_json(f"{base}/api/roster/agents") if a["status"] == "ONLINE"]
+        if len(get_json(f"{base}/api/roster/agents")) == 4 else None,
+        30, "the simulated cluster did not register its 4 agents",
+    )
+    assert {a["nodeId"] for a in agents} == {"sim-node-a", "sim-node-b"}
+    nodes = wait_for(
+        lambda: [n for n in get_json(f"{base}/api/cluster/nodes") if n["consistency"] == "OK"],
+        30, "the simulated nodes did not heartbeat",
+    )
+    assert len(nodes) == 2
+
+    # An agent that never heartbeats goes OFFLINE: the beat → worker → sweep path is live.
+    post_json(f"{base}/api/roster/agents", {"agentId": "ops.silent", "nodeId": "quiet-node"})
+    wait_for(
+        lambda: any(a["agentId"] == "ops.silent" and a["status"] == "OFFLINE"
+                    for a in get_json(f"{base}/api/roster/agents")),
+        20, "the lease sweep did not run in the embedded worker",
+    )
+    # The simulated agents keep theirs by heartbeating.
+    live = [a for a in get_json(f"{base}/api/roster/agents") if a["nodeId"].startswith("sim-")]
+    assert all(a["status"] == "ONLINE" for a in live)
+
+    login = urllib.request.urlopen(f"{base}/accounts/login/", timeout=5)
+    assert login.status == 200
+    output = log_path.read_text()
+    assert "MQTT broker (embedded): mqtt://127.0.0.1:" in output
+    assert "Admin account created: admin" in output
+
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(20) == 0
+
+
+def test_it_names_mqtt_url_when_the_broker_port_is_taken(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = embedded_env()
+        env.update(REACH_RUN_DIR=str(tmp_path),
+                   REACH_EMBEDDED_MQTT_PORT=str(taken.getsockname()[1]))
+        result = subprocess.run(
+            [sys.executable, "manage.py", "runconsole", "--port", str(free_port())],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        )
+    assert result.returncode != 0
+    assert "MQTT_URL" in result.stderr
+    assert "REACH_EMBEDDED_MQTT_PORT" in result.stderr

@@ -1,0 +1,153 @@
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.test import Client
+
+from roster import services
+from roster.models import Agent, RosterEvent
+from tests.conftest import register
+
+pytestmark = pytest.mark.django_db
+
+XSS = '<img src=x onerror="window.pwned=1">'
+
+
+@pytest.fixture
+def operator() -> User:
+    user = User.objects.create_user("olga", password="pw-olga-123")
+    user.user_permissions.add(Permission.objects.get(codename="change_agent"))
+    return user
+
+
+@pytest.fixture
+def viewer() -> User:
+    return User.objects.create_user("victor", password="pw-victor-123")
+
+
+def logged_in(user: User, **kwargs) -> Client:
+    client = Client(**kwargs)
+    client.force_login(user)
+    return client
+
+
+def test_it_requires_login(client):
+    r = client.get("/")
+    assert r.status_code == 302 and r["Location"].startswith("/accounts/login/")
+
+
+def test_it_shows_counts_and_agents(viewer):
+    register("fin.tax", "node-a", capabilities=["tax"])
+    register("llm.chat", "node-b")
+    services.agent_drain(agent_id="llm.chat")
+    r = logged_in(viewer).get("/")
+    html = r.content.decode()
+    assert r.status_code == 200
+    assert 'data-count="online">1<' in html and 'data-count="draining">1<' in html
+    assert 'data-agent="fin.tax"' in html and 'data-agent="llm.chat"' in html
+
+
+def test_it_filters_by_url_parameters(viewer):
+    register("fin.tax", "node-a", capabilities=["tax"])
+    register("llm.chat", "node-b")
+    client = logged_in(viewer)
+    for params, shown, hidden in [
+        ({"namespace": "fin"}, "fin.tax", "llm.chat"),
+        ({"node": "node-b"}, "llm.chat", "fin.tax"),
+        ({"capability": "tax"}, "fin.tax", "llm.chat"),
+        ({"q": "cha"}, "llm.chat", "fin.tax"),
+        ({"status": "ONLINE", "q": "fin"}, "fin.tax", "llm.chat"),
+    ]:
+        html = client.get("/", params).content.decode()
+        assert f'data-agent="{shown}"' in html, params
+        assert f'data-agent="{hidden}"' not in html, params
+
+
+def test_it_answers_htmx_with_the_live_fragment_only(viewer):
+    register("fin.tax")
+    r = logged_in(viewer).get("/", {"namespace": "fin"},
+                              headers={"HX-Request": "true", "HX-Target": "roster-live"})
+    html = r.content.decode()
+    assert 'data-agent="fin.tax"' in html
+    assert "<html" not in html
+    assert "HX-Request" in r["Vary"]
+
+
+def test_it_drains_with_the_permission(operator):
+    register("fin.tax")
+    r = logged_in(operator).post("/agents/fin.tax/drain")
+    assert r.status_code == 302
+    agent = Agent.objects.get()
+    assert agent.status == Agent.Status.DRAINING
+    assert RosterEvent.objects.filter(kind="DRAINED", actor="olga").count() == 1
+
+
+def test_it_refuses_drain_without_the_permission(viewer):
+    register("fin.tax")
+    r = logged_in(viewer).post("/agents/fin.tax/drain")
+    assert r.status_code == 403
+    assert Agent.objects.get().status == Agent.Status.ONLINE
+    page = logged_in(viewer).get("/agents/fin.tax/").content.decode()
+    assert 'id="drain"' not in page
+
+
+def test_it_refuses_drain_without_csrf(operator):
+    register("fin.tax")
+    r = logged_in(operator, enforce_csrf_checks=True).post("/agents/fin.tax/drain")
+    assert r.status_code == 403
+    assert Agent.objects.get().status == Agent.Status.ONLINE
+
+
+def test_it_refuses_drain_by_get(operator):
+    register("fin.tax")
+    assert logged_in(operator).get("/agents/fin.tax/drain").status_code == 405
+    assert Agent.objects.get().status == Agent.Status.ONLINE
+
+
+def test_it_deregisters_from_the_page(operator):
+    register("fin.tax")
+    r = logged_in(operator).post("/agents/fin.tax/deregister", follow=True)
+    assert not Agent.objects.exists()
+    assert "was deregistered from node node-a" in r.content.decode()
+
+
+def test_it_shows_an_action_on_a_missing_agent_as_words(operator):
+    r = logged_in(operator).post("/agents/fin.nope/drain", follow=True)
+    assert "fin.nope is not on the roster" in r.content.decode()
+
+
+def test_it_renders_untrusted_fields_as_text(viewer):
+    register("fin.tax", endpoint=XSS, version="v<b>1</b>", metadata={"note": XSS})
+    html = logged_in(viewer).get("/agents/fin.tax/").content.decode()
+    assert XSS not in html
+    assert "&lt;img src=x onerror=" in html
+    assert "v&lt;b&gt;1&lt;/b&gt;" in html
+    # metadata travels in a json_script block, escaped for <script> context
+    assert "\\u003Cimg src=x onerror=" in html
+
+
+def test_it_lists_nodes_with_their_agents(viewer):
+    register("fin.tax", "node-a")
+    register("fin.vat", "node-a")
+    register("llm.chat", "node-b")
+    services.node_seen(node_id="node-a")
+    html = logged_in(viewer).get("/cluster/").content.decode()
+    assert 'id="node-node-a"' in html and 'id="node-node-b"' in html
+    assert "2 of 2 agents online" in html and "last heard never" in html
+
+
+def test_the_admin_edits_namespaces_and_aliases(admin_client):
+    register("fin.tax")
+    assert admin_client.get("/admin/roster/namespace/").status_code == 200
+    ns = Agent.objects.get().namespace
+    r = admin_client.post("/admin/directory/alias/add/", {
+        "alias": "@资金日报", "agent_id": "fin.tax", "namespace": ns.pk,
+    })
+    assert r.status_code == 302, r.content.decode()[:500]
+    from directory.models import Alias
+
+    assert Alias.objects.get().alias == "@资金日报"
+    listing = admin_client.get("/admin/directory/alias/", {"q": "资金"}).content.decode()
+    assert "@资金日报" in listing
+    assert admin_client.get("/admin/roster/agent/", {"q": "fin"}).status_code == 200
+    assert admin_client.get("/admin/roster/clusternode/").status_code == 200

@@ -1,0 +1,200 @@
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.db import close_old_connections, connection
+
+from roster import services
+from roster.errors import AgentHeldElsewhere, AgentNotFound, InvalidAgentId, InvalidField, WrongNode
+from roster.models import Agent, ClusterNode, RosterEvent
+from tests.conftest import later, register
+
+pytestmark = pytest.mark.django_db
+
+
+def test_it_registers_an_agent_with_a_lease(now, settings):
+    lease = services.agent_register(
+        agent_id="fin/tax", node_id="node-a", capabilities=["tax", "vat"], groups=["finance"],
+        max_inflight=4, metadata={"region": "eu"}, now=now,
+    )
+    agent = Agent.objects.get(agent_id="fin.tax")
+    assert lease.created is True
+    assert agent.namespace.name == "fin" and agent.name == "tax"
+    assert agent.node.node_id == "node-a"
+    assert agent.capabilities == ["tax", "vat"]
+    assert agent.groups == ["#finance"]
+    assert agent.max_inflight == 4
+    assert agent.status == Agent.Status.ONLINE
+    assert agent.lease_expires_at == later(now, settings.REACH_LEASE_TTL_MS)
+    assert lease.lease_ttl_ms == settings.REACH_LEASE_TTL_MS
+    assert RosterEvent.objects.filter(agent_id="fin.tax", kind="REGISTERED").count() == 1
+
+
+def test_it_defaults_the_capability_to_the_name_segment():
+    agent = register("llm.bank-statement")
+    assert agent.capabilities == ["bank-statement"]
+    assert agent.capability_segment == "bank-statement"
+
+
+def test_it_is_idempotent_for_the_same_identity(now, settings):
+    register("fin.tax", now=now, version="1")
+    lease = services.agent_register(
+        agent_id="fin.tax", node_id="node-a", version="2", now=later(now, 3000)
+    )
+    assert lease.created is False
+    assert Agent.objects.count() == 1
+    agent = Agent.objects.get()
+    assert agent.version == "2"
+    assert agent.lease_expires_at == later(now, 3000 + settings.REACH_LEASE_TTL_MS)
+
+
+def test_it_refuses_a_move_while_the_old_lease_runs(now):
+    register("fin.tax", "node-a", now=now)
+    with pytest.raises(AgentHeldElsewhere) as err:
+        services.agent_register(agent_id="fin.tax", node_id="node-b", now=later(now, 1000))
+    assert "node-a" in err.value.detail
+    assert Agent.objects.get().node.node_id == "node-a"
+
+
+def test_it_moves_an_agent_once_the_old_lease_lapsed(now, settings):
+    register("fin.tax", "node-a", now=now)
+    moved_at = later(now, settings.REACH_LEASE_TTL_MS + 1)
+    lease = services.agent_register(agent_id="fin.tax", node_id="node-b", now=moved_at)
+    assert lease.agent.node.node_id == "node-b"
+    event = RosterEvent.objects.get(kind="MOVED")
+    assert event.detail == "from node-a"
+
+
+@pytest.mark.parametrize("bad", ["", "tax", "Fin.tax", "fin.", ".tax", "fin.t ax", "fin.+", 7])
+def test_it_rejects_malformed_agent_ids(bad):
+    with pytest.raises(InvalidAgentId):
+        services.agent_register(agent_id=bad, node_id="node-a")
+    assert Agent.objects.count() == 0
+
+
+def test_it_rejects_oversized_metadata_without_writing(settings):
+    settings.REACH_MAX_METADATA_BYTES = 1000
+    with pytest.raises(InvalidField) as err:
+        services.agent_register(agent_id="fin.tax", node_id="n", metadata={"x": "y" * 2000})
+    assert "limit is 1000 bytes" in err.value.detail
+    assert Agent.objects.count() == 0 and ClusterNode.objects.count() == 0
+
+
+def test_it_rejects_a_node_id_that_would_break_topics():
+    with pytest.raises(InvalidField):
+        services.agent_register(agent_id="fin.tax", node_id="node/+")
+
+
+def test_it_renews_a_lease_and_records_load(now, settings):
+    register("fin.tax", now=now)
+    lease = services.agent_renew(
+        agent_id="fin.tax", node_id="node-a", inflight=3, queue_depth=2, now=later(now, 4000)
+    )
+    agent = Agent.objects.get()
+    assert agent.lease_expires_at == later(now, 4000 + settings.REACH_LEASE_TTL_MS)
+    assert (agent.inflight, agent.queue_depth) == (3, 2)
+    assert lease.expires_at == agent.lease_expires_at
+
+
+def test_it_never_registers_on_renew():
+    with pytest.raises(AgentNotFound):
+        services.agent_renew(agent_id="fin.tax")
+    assert Agent.objects.count() == 0
+
+
+def test_it_reports_a_heartbeat_from_the_wrong_node_as_a_conflict(now):
+    register("fin.tax", "node-a", now=now)
+    with pytest.raises(WrongNode):
+        services.agent_renew(agent_id="fin.tax", node_id="node-b")
+    assert Agent.objects.get().node.node_id == "node-a"
+    assert RosterEvent.objects.filter(kind="CONFLICT", node_id="node-b").count() == 1
+
+
+def test_it_drains_then_deregisters(now):
+    register("fin.tax", now=now)
+    agent = services.agent_drain(agent_id="fin.tax", actor="ops", now=now)
+    assert agent.status == Agent.Status.DRAINING
+    assert agent.is_routable(now) is False
+    services.agent_drain(agent_id="fin.tax", actor="ops")  # twice is a no-op
+    assert RosterEvent.objects.filter(kind="DRAINED").count() == 1
+    # A re-registration does not undo an operator's drain.
+    services.agent_register(agent_id="fin.tax", node_id="node-a")
+    assert Agent.objects.get().status == Agent.Status.DRAINING
+    assert services.agent_deregister(agent_id="fin.tax", actor="ops") == "node-a"
+    assert not Agent.objects.exists()
+    assert RosterEvent.objects.filter(kind="DEREGISTERED", actor="ops").count() == 1
+
+
+def test_it_expires_leases_by_moving_time(now, settings):
+    ttl = settings.REACH_LEASE_TTL_MS
+    register("fin.tax", now=now)
+    register("fin.vat", now=now)
+    register("fin.old", now=now)
+    services.agent_drain(agent_id="fin.old", now=now)
+    services.agent_renew(agent_id="fin.vat", now=later(now, ttl - 1000))
+
+    assert services.leases_expire(now=later(now, ttl - 1)) == services.ExpiryCounts(0, 0)
+    counts = services.leases_expire(now=later(now, ttl + 1))
+
+    assert counts == services.ExpiryCounts(offline=1, removed=1)
+    assert Agent.objects.get(agent_id="fin.tax").status == Agent.Status.OFFLINE
+    assert Agent.objects.get(agent_id="fin.vat").status == Agent.Status.ONLINE
+    assert not Agent.objects.filter(agent_id="fin.old").exists()
+    assert RosterEvent.objects.filter(kind="EXPIRED", agent_id="fin.tax").count() == 1
+    assert RosterEvent.objects.filter(kind="REMOVED", agent_id="fin.old").count() == 1
+
+
+def test_it_brings_an_expired_agent_back_on_heartbeat(now, settings):
+    register("fin.tax", now=now)
+    services.leases_expire(now=later(now, settings.REACH_LEASE_TTL_MS + 1))
+    services.agent_renew(agent_id="fin.tax", node_id="node-a")
+    agent = Agent.objects.get()
+    assert agent.status == Agent.Status.ONLINE and agent.expired_at is None
+    assert RosterEvent.objects.filter(kind="REVIVED").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_it_changes_nothing_twice_when_two_sweeps_race(now, settings):
+    for i in range(60):
+        register(f"fin.a{i}", now=now)
+    for i in range(20):
+        register(f"fin.d{i}", now=now)
+        services.agent_drain(agent_id=f"fin.d{i}", now=now)
+    moment = later(now, settings.REACH_LEASE_TTL_MS + 1)
+    barrier = threading.Barrier(2)
+    results: list[services.ExpiryCounts] = []
+    errors: list[BaseException] = []
+
+    def sweep() -> None:
+        try:
+            barrier.wait()
+            results.append(services.leases_expire(now=moment))
+        except BaseException as exc:  # surfaced in the assertion below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=sweep) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    close_old_connections()
+
+    assert errors == []
+    assert sum(r.offline for r in results) == 60
+    assert sum(r.removed for r in results) == 20
+    assert RosterEvent.objects.filter(kind="EXPIRED").count() == 60
+    assert RosterEvent.objects.filter(kind="REMOVED").count() == 20
+    assert Agent.objects.filter(status=Agent.Status.OFFLINE).count() == 60
+
+
+def test_it_tracks_nodes_seen_and_silent(now, settings):
+    services.node_seen(node_id="node-a", heartbeat_ms=5000, now=now)
+    services.node_seen(node_id="node-a", now=later(now, 100))
+    node = ClusterNode.objects.get()
+    assert node.last_seen_at == later(now, 100) and node.heartbeat_ms == 5000
+    assert services.nodes_sweep(now=later(now, settings.REACH_LEASE_TTL_MS)) == 0
+    assert services.nodes_sweep(now=later(now, settings.REACH_LEASE_TTL_MS + 200)) == 1
+    assert ClusterNode.objects.get().status == ClusterNode.Status.SILENT
