@@ -161,3 +161,4 @@ def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
 api.add_router("/roster", "roster.api.router")
 api.add_router("/cluster", "roster.api.cluster_router")
 api.add_router("/ops", "roster.api.ops_router")
+api.add_router("/a2a", "messages.api.router")

@@ -19,10 +19,14 @@ import sys
 import threading
 from types import TracebackType
 
+import amqtt.broker
 from amqtt.broker import Broker
 from amqtt.contexts import BrokerConfig, ListenerConfig, ListenerType
+from amqtt.mqtt.constants import QOS_1
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+from amqtt.mqtt.protocol.handler import OUTGOING
 from amqtt.plugins.base import BaseAuthPlugin
-from amqtt.session import Session
+from amqtt.session import OutgoingApplicationMessage, Session
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,49 @@ class AllowAllAuthPlugin(BaseAuthPlugin):
 
     async def authenticate(self, *, session: Session) -> bool:
         return True
+
+
+PUBACK_WAIT_S = 60
+
+
+class KeepInflightHandler(BrokerProtocolHandler):
+    """amqtt 0.12 forgets a QoS 1 message sent to a subscriber that does not PUBACK it within
+    5 s, or that disconnects first: a console killed in the middle of a burst would lose
+    what was in flight. MQTT 3.1.1 (4.4) wants such messages sent again when the session
+    resumes, so this handler keeps them in the session until the PUBACK arrives; amqtt's own
+    resume path (`_retry_deliveries`) then sends them again.
+    """
+
+    async def _handle_qos1_message_flow(self, app_message) -> None:  # type: ignore[override]
+        outgoing = (app_message.direction == OUTGOING and app_message.qos == QOS_1
+                    and self.session is not None and app_message.packet_id is not None
+                    and app_message.puback_packet is None)
+        if not outgoing:
+            await super()._handle_qos1_message_flow(app_message)
+            return
+        if isinstance(app_message, OutgoingApplicationMessage):
+            self.session.inflight_out[app_message.packet_id] = app_message
+        dup = app_message.publish_packet is not None
+        packet = app_message.build_publish_packet(dup=dup)
+        waiter: asyncio.Future = asyncio.Future()
+        self._puback_waiters[app_message.packet_id] = waiter
+        try:
+            await self._send_packet(packet)
+            app_message.publish_packet = packet
+            app_message.puback_packet = await asyncio.wait_for(waiter, timeout=PUBACK_WAIT_S)
+            self.session.inflight_out.pop(app_message.packet_id, None)
+        except (TimeoutError, asyncio.CancelledError, ConnectionError):
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the broker is shutting down, not just this client
+            # Left in inflight_out: sent again (DUP) when the client's session resumes.
+            logger.debug("QoS 1 message %s kept for redelivery", app_message.packet_id)
+        finally:
+            self._puback_waiters.pop(app_message.packet_id, None)
+
+
+# amqtt builds its handlers by this module-level name.
+amqtt.broker.BrokerProtocolHandler = KeepInflightHandler  # type: ignore[misc]
 
 
 def _quiet_amqtt_logging() -> None:

@@ -124,6 +124,9 @@ else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
 CELERY_BROKER_URL = REDIS_URL or "memory://localhost/"
+if not REDIS_URL:
+    # The in-memory transport polls; its 1 s default would delay every embedded task.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"polling_interval": 0.05}
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 4
@@ -138,6 +141,18 @@ if MQTT_URL and urlparse(MQTT_URL).scheme not in {"mqtt", "mqtts", "tcp"}:
 MQTT_TOPIC_PREFIX = env_str("MQTT_TOPIC_PREFIX", "ooder")
 REACH_EMBEDDED_MQTT_PORT = env_int("REACH_EMBEDDED_MQTT_PORT", 1883, minimum=1)
 REACH_NODE_ID = env_str("REACH_NODE_ID", "console")
+REACH_IDEMPOTENCY_TTL_S = env_int("REACH_IDEMPOTENCY_TTL_S", 3600, minimum=1)
+REACH_MONITOR = env_bool("REACH_MONITOR", True)
+# MQTT 5 (session expiry) against real brokers; the embedded broker speaks 3.1.1 only.
+MQTT_PROTOCOL = env_str("MQTT_PROTOCOL", "5")
+if MQTT_PROTOCOL not in {"5", "3.1.1"}:
+    raise ImproperlyConfigured(f"MQTT_PROTOCOL={MQTT_PROTOCOL!r}: use 5 or 3.1.1")
+MQTT_SESSION_EXPIRY_S = env_int("MQTT_SESSION_EXPIRY_S", 3600, minimum=0)
+MQTT_MAX_QUEUED = env_int("MQTT_MAX_QUEUED", 10000, minimum=10)
+REACH_BRIDGE = env_bool("REACH_BRIDGE", True)  # run the MQTT bridge in Celery workers
+REACH_BRIDGE_INSTANCE = env_str("REACH_BRIDGE_INSTANCE", "1")
+REACH_BRIDGE_BATCH = env_int("REACH_BRIDGE_BATCH", 500, minimum=1)
+REACH_BRIDGE_FLUSH_MS = env_int("REACH_BRIDGE_FLUSH_MS", 20, minimum=1)
 REACH_MAX_MESSAGE_BYTES = env_int("REACH_MAX_MESSAGE_BYTES", 256 * 1024, minimum=1024)
 
 # --- the roster ---------------------------------------------------------------------------

@@ -13,4 +13,5 @@ urlpatterns = [
     path("api/", api.urls),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
+    path("metrics", health.metrics, name="metrics"),
 ]

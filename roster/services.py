@@ -433,3 +433,81 @@ def node_retire(*, node_id: str, retired: bool = True) -> ClusterNode:
         if not ClusterNode.objects.filter(node_id=node_id).update(retired=retired):
             raise NodeNotFound(f"node {node_id} is not known to the console")
     return ClusterNode.objects.get(node_id=node_id)
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatOutcome:
+    renewed: list[str]
+    conflicts: list[str]  # listed by this node, placed elsewhere by the roster
+    unknown: list[str]  # listed, but never registered
+
+
+def heartbeat_record(
+    *,
+    node_id: str,
+    agents: list[dict[str, Any]],
+    heartbeat_ms: int | None = None,
+    now: datetime | None = None,
+) -> HeartbeatOutcome:
+    """A node's heartbeat (PROTOCOL.md "Heartbeat"): the node is alive, and every listed
+    agent the roster places on it gets a new lease and its reported load.
+
+    It never registers an agent, and an agent listed by a node the roster places elsewhere
+    is recorded as a conflict, not moved.
+    """
+    now = now or timezone.now()
+    loads: dict[str, dict[str, Any]] = {}
+    for item in agents:
+        agent_id = item.get("agentId") if isinstance(item, dict) else None
+        if isinstance(agent_id, str) and agent_id:
+            loads[agent_id.replace("/", ".", 1)] = item
+    with transaction.atomic():
+        node = node_seen(node_id=node_id, heartbeat_ms=heartbeat_ms, now=now)
+        rows = list(
+            Agent.objects.select_for_update()
+            .filter(agent_id__in=list(loads))
+            .select_related("node")
+        )
+        renewed, conflicts, revived, events = [], [], [], []
+        for agent in rows:
+            if agent.node_id != node.pk:
+                conflicts.append(agent.agent_id)
+                events.append(Event(
+                    agent_id=agent.agent_id, node_id=node_id, kind=Event.Kind.CONFLICT, at=now,
+                    detail=f"listed in a heartbeat of {node_id}, but the roster places it on "
+                    f"{agent.node.node_id}",
+                ))
+                continue
+            load = loads[agent.agent_id]
+            agent.lease_expires_at = now + _lease_ttl()
+            agent.last_heartbeat_at = now
+            agent.inflight = _non_negative(load.get("inflight"), agent.inflight)
+            agent.queue_depth = _non_negative(load.get("queueDepth"), agent.queue_depth)
+            max_inflight = _non_negative(load.get("maxInflight"), agent.max_inflight)
+            agent.max_inflight = max_inflight or agent.max_inflight
+            if agent.status == Agent.Status.OFFLINE:
+                agent.status = Agent.Status.ONLINE
+                agent.expired_at = None
+                revived.append(agent.agent_id)
+                events.append(Event(
+                    agent_id=agent.agent_id, node_id=node_id, kind=Event.Kind.REVIVED, at=now,
+                    detail="heartbeat after the lease lapsed",
+                ))
+            renewed.append(agent)
+        Agent.objects.bulk_update(
+            renewed,
+            ["lease_expires_at", "last_heartbeat_at", "inflight", "queue_depth", "max_inflight",
+             "status", "expired_at"],
+        )
+        Event.objects.bulk_create(events)
+    known = {agent.agent_id for agent in rows}
+    return HeartbeatOutcome(
+        renewed=[agent.agent_id for agent in renewed], conflicts=conflicts,
+        unknown=sorted(set(loads) - known),
+    )
+
+
+def _non_negative(value: Any, default: int) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 10_000_000:
+        return value
+    return default

@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from reachconsole.tokens import tokens_parse
 from roster import services
+from tests.mqtt import broker, mqtt_settings  # noqa: F401 - fixtures for every test module
 
 TOKEN = "test-token-aaaaaaaaaaaaaaaa"
 ROTATED_TOKEN = "test-token-bbbbbbbbbbbbbbbb"

@@ -95,17 +95,22 @@ def console(tmp_path):
 def test_it_runs_the_whole_console_in_one_process(console):
     base, proc, log_path = console
 
-    agents = wait_for(
-        lambda: [a for a in get_json(f"{base}/api/roster/agents") if a["status"] == "ONLINE"]
-        if len(get_json(f"{base}/api/roster/agents")) == 4 else None,
-        30, "the simulated cluster did not register its 4 agents",
-    )
+    def simulated_online():
+        agents = [a for a in get_json(f"{base}/api/roster/agents")
+                  if a["nodeId"].startswith("sim-") and a["status"] == "ONLINE"]
+        return agents if len(agents) == 4 else None
+
+    agents = wait_for(simulated_online, 30, "the simulated cluster did not register 4 agents")
     assert {a["nodeId"] for a in agents} == {"sim-node-a", "sim-node-b"}
-    nodes = wait_for(
-        lambda: [n for n in get_json(f"{base}/api/cluster/nodes") if n["consistency"] == "OK"],
-        30, "the simulated nodes did not heartbeat",
-    )
-    assert len(nodes) == 2
+    # The console hosts its own probe agent and heartbeats for it.
+    probe = [a for a in get_json(f"{base}/api/roster/agents") if a["agentId"] == "ops.probe"]
+    assert probe and probe[0]["nodeId"] == "console"
+    def sim_nodes_ok():
+        ok = {n["nodeId"] for n in get_json(f"{base}/api/cluster/nodes")
+              if n["consistency"] == "OK"}
+        return ok >= {"sim-node-a", "sim-node-b", "console"}
+
+    wait_for(sim_nodes_ok, 30, "the simulated nodes and the console did not heartbeat")
 
     # An agent that never heartbeats goes OFFLINE: the beat → worker → sweep path is live.
     post_json(f"{base}/api/roster/agents", {"agentId": "ops.silent", "nodeId": "quiet-node"})

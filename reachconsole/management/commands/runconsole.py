@@ -33,8 +33,17 @@ class Command(BaseCommand):
         parser.add_argument("--simulate-agents", type=int, default=12)
         parser.add_argument("--simulate-rate", type=float, default=2.0,
                             help="tasks per second the simulated cluster sends")
+        parser.add_argument("--simulate-heartbeat-ms", type=int, default=None,
+                            help="simulated nodes' heartbeat (default: what the lease says)")
 
     def handle(self, *args, **options) -> None:
+        # Events go out on Daphne's loop: the in-memory channel layer only works from the
+        # loop its consumers run on.
+        from daphne.server import twisted_loop
+
+        from messages.events import publisher
+
+        publisher.bind_loop(twisted_loop)
         call_command("migrate", interactive=False, verbosity=0)
         self._ensure_admin()
         token = self._ensure_service_token()
@@ -50,11 +59,14 @@ class Command(BaseCommand):
         base_url = f"http://{options['host']}:{options['port']}"
         simulator = None
         if options["simulate_nodes"] > 0:
-            from reachconsole.simulator import SimulatedCluster
+            from messages.simulator import Knobs, SimulatedCluster
 
             simulator = SimulatedCluster(
-                base_url=base_url, token=token, nodes=options["simulate_nodes"],
-                agents=options["simulate_agents"], rate=options["simulate_rate"],
+                base_url=base_url, token=token, mqtt_url=settings.MQTT_URL,
+                nodes=options["simulate_nodes"], agents=options["simulate_agents"],
+                knobs=Knobs(rate=options["simulate_rate"]), prefix=settings.MQTT_TOPIC_PREFIX,
+                mqtt_protocol=settings.MQTT_PROTOCOL,
+                heartbeat_ms=options["simulate_heartbeat_ms"],
             )
         self.stdout.write(self.style.SUCCESS(f"Console: {base_url}/  (Ctrl-C stops everything)"))
         try:
@@ -105,8 +117,10 @@ class Command(BaseCommand):
                 f"{exc}\n(or choose another port for the embedded broker with "
                 "REACH_EMBEDDED_MQTT_PORT)"
             ) from exc
-        # This process is the only user of the setting: the bridge connects to it.
+        # This process is the only user of these settings: the bridge connects to it, and
+        # the embedded broker speaks MQTT 3.1.1 only (persistent sessions via clean_session).
         settings.MQTT_URL = broker.url
+        settings.MQTT_PROTOCOL = "3.1.1"
         self.stdout.write(f"MQTT broker (embedded): {broker.url}")
         return broker
 

@@ -1,0 +1,121 @@
+"""`/api/a2a/…`: send a task, read a message's whole story."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from django.http import HttpRequest
+from ninja import Field, Router, Schema, Status
+
+from messages.models import Message
+from messages.outbound import SendRefused, SendRequest, message_send
+from reachconsole.api import ApiError
+from roster.services import agent_id_parse
+
+router = Router(tags=["a2a"])
+
+
+class SendIn(Schema):
+    to: str = Field(..., max_length=300, description='"ns.agent", "capability:x" or "#group"')
+    payload: Any = None
+    task_id: str | None = Field(None, alias="taskId", max_length=200)
+    target_node_id: str | None = Field(None, alias="targetNodeId", max_length=128)
+    timeout_ms: int | None = Field(None, alias="timeoutMs", ge=100, le=86_400_000)
+    wait: bool = False
+    from_agent_id: str | None = Field(None, alias="from", max_length=265)
+    conversation_id: str = Field("", alias="conversationId", max_length=200)
+    scene_group_id: str = Field("", alias="sceneGroupId", max_length=200)
+    session_id: str = Field("", alias="sessionId", max_length=200)
+    idempotency_key: str | None = Field(None, alias="idempotencyKey", max_length=200)
+
+
+class ErrorOut(Schema):
+    error: str
+    detail: str
+
+
+ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut,
+          413: ErrorOut, 422: ErrorOut}
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment else None
+
+
+def message_out(row: Message) -> dict[str, Any]:
+    return {
+        "messageId": row.message_id, "taskId": row.task_id or None,
+        "messageType": row.message_type, "direction": row.direction, "status": row.status,
+        "error": row.error or None, "attempt": row.attempt,
+        "fromAgentId": row.from_agent_id or None, "toAgentId": row.to_agent_id or None,
+        "targetNodeId": row.target_node_id or None, "replyNodeId": row.reply_node_id or None,
+        "conversationId": row.conversation_id or None,
+        "sceneGroupId": row.scene_group_id or None, "sessionId": row.session_id or None,
+        "idempotencyKey": row.idempotency_key or None, "inReplyTo": row.in_reply_to or None,
+        "resendOf": row.resend_of.message_id if row.resend_of_id else None,
+        "resolution": row.resolution,
+        "createdAt": _iso(row.created_at), "publishedAt": _iso(row.published_at),
+        "ackedAt": _iso(row.acked_at), "finishedAt": _iso(row.finished_at),
+        "deadlineAt": _iso(row.deadline_at),
+    }
+
+
+@router.post("/send", response={200: dict, 202: dict, **ERRORS})
+def send(request: HttpRequest, body: SendIn):
+    if body.to.startswith(("capability:", "#")):
+        raise ApiError(422, "unsupported_target",
+                       "capability and group targets are not routed yet; name an agent "
+                       "(`namespace.name`)")
+    if body.wait:
+        raise ApiError(422, "unsupported_wait",
+                       "waiting for the response is not available yet; send without `wait` "
+                       "and read GET /api/a2a/messages/{messageId}")
+    ref = agent_id_parse(body.to)
+    request.auth.require_namespace(ref.namespace)
+    try:
+        row = message_send(request=SendRequest(
+            to_agent_id=ref.agent_id, payload=body.payload, task_id=body.task_id,
+            target_node_id=body.target_node_id, from_agent_id=body.from_agent_id,
+            timeout_ms=body.timeout_ms, conversation_id=body.conversation_id,
+            scene_group_id=body.scene_group_id, session_id=body.session_id,
+            idempotency_key=body.idempotency_key,
+        ), actor="api", by=request.auth.label)
+    except SendRefused as exc:
+        raise ApiError(exc.status, exc.code, exc.detail) from None
+    out = message_out(row)
+    out["candidates"] = (row.resolution or {}).get("candidates", [])
+    return Status(202 if row.status == "SENT" else 200, out)
+
+
+@router.get("/messages/{message_id}", response={200: dict, **ERRORS})
+def message_detail(request: HttpRequest, message_id: str):
+    row = Message.objects.select_related("resend_of").filter(message_id=message_id).first()
+    if row is None:
+        raise ApiError(404, "message_not_found", f"no message {message_id[:200]} is recorded")
+    namespaces = request.auth.token.namespaces
+    if namespaces is not None:
+        touched = {a.split(".", 1)[0] for a in (row.from_agent_id, row.to_agent_id) if a}
+        if not touched & namespaces:
+            raise ApiError(403, "namespace_forbidden",
+                           "this service token is bound to other namespaces than this "
+                           "message's agents")
+    out = message_out(row)
+    out["payload"] = row.payload
+    out["headers"] = row.headers
+    out["transitions"] = [
+        {"from": t.from_status or None, "to": t.to_status, "at": t.at.isoformat(),
+         "reason": t.reason or None, "actor": t.actor, "by": t.by or None}
+        for t in row.transitions.all()
+    ]
+    out["attempts"] = [
+        {"messageId": m.message_id, "attempt": m.attempt, "status": m.status}
+        for m in Message.objects.filter(task_id=row.task_id, direction=row.direction)
+        .order_by("created_at", "id")
+    ] if row.task_id else []
+    out["replies"] = [
+        {"messageId": m.message_id, "messageType": m.message_type, "status": m.status,
+         "payload": m.payload, "createdAt": m.created_at.isoformat()}
+        for m in Message.objects.filter(in_reply_to=row.message_id).order_by("created_at", "id")
+    ]
+    return Status(200, out)

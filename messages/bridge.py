@@ -1,0 +1,453 @@
+"""The MQTT bridge: the console's one paho-mqtt client, owned by one thread.
+
+paho's network thread only hands work over (a bounded queue: when the console falls behind,
+paho stops reading and the broker holds the messages). The owner thread does everything
+else: it writes each batch of inbound messages in one transaction, acknowledges them to the
+broker only after the commit (`manual_ack`), publishes, marks PUBLISHED on PUBACK, and sends
+the console's heartbeat. RELIABILITY.md lists the failures this is built around.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from urllib.parse import urlparse
+
+import paho.mqtt.client as mqtt
+from django.conf import settings
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    transaction,
+)
+from django.utils import timezone
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from directory.resolver import LOCAL_AGENTS
+from messages import protocol, runtime
+from messages.events import events_on_commit
+from messages.inbound import Incoming, messages_ingest
+from messages.models import Direction, Message, Status
+from messages.outbound import envelope_from_row
+from messages.state import Change, changes_apply
+from reachconsole.metrics import LocalCounter
+from roster.services import agent_register, heartbeat_record
+
+log = logging.getLogger(__name__)
+
+QUEUE_LIMIT = 20_000
+RETRY_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+DB_DOWN = (OperationalError, InterfaceError)
+
+
+@dataclass(frozen=True, slots=True)
+class _Received:
+    topic: str
+    payload: bytes
+    mid: int
+    qos: int
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Publish:
+    pks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Confirmed:
+    mid: int
+    failure: str  # "" when the broker took it
+
+
+def client_id_for(node_id: str, instance: str) -> str:
+    """One fixed id per bridge instance: a persistent session, and two bridges with one id
+    would kick each other off the broker forever."""
+    return f"reach-{node_id or 'anon'}-{instance}"[:64]
+
+
+class Bridge:
+    def __init__(self, *, url: str, node_id: str, prefix: str, instance: str = "1",
+                 protocol_version: str = "5", monitor: bool = True,
+                 session_expiry_s: int = 3600, max_queued: int = 10000, batch: int = 500,
+                 heartbeat_ms: int = 5000):
+        parsed = urlparse(url)
+        if parsed.scheme not in {"mqtt", "mqtts", "tcp"} or not parsed.hostname:
+            raise ValueError(f"MQTT URL {url!r}: use mqtt://host:port")
+        self.url = url
+        self.host = parsed.hostname
+        self.port = parsed.port or (8883 if parsed.scheme == "mqtts" else 1883)
+        self.tls = parsed.scheme == "mqtts"
+        self.username, self.password = parsed.username, parsed.password
+        self.node_id = node_id
+        self.prefix = prefix
+        self.client_id = client_id_for(node_id, instance)
+        self.v5 = protocol_version == "5"
+        self.monitor = monitor
+        self.session_expiry_s = session_expiry_s
+        self.max_queued = max_queued
+        self.batch = batch
+        self.heartbeat_s = heartbeat_ms / 1000
+        self.counts = LocalCounter()
+        self.connected = threading.Event()
+        self.generation = 0
+        self._work: queue.Queue = queue.Queue(maxsize=QUEUE_LIMIT)
+        self._pending: dict[int, int] = {}  # paho mid → a2a_message pk, until PUBACK
+        self._backlog: list[int] = []  # rows paho could not queue; tried again shortly
+        self._backlog_at = 0.0
+        self._stop = threading.Event()
+        self._owner: threading.Thread | None = None
+        self._client: mqtt.Client | None = None
+        self._last_heartbeat = 0.0
+        self._last_flush = 0.0
+
+    @classmethod
+    def from_settings(cls) -> Bridge:
+        return cls(
+            url=settings.MQTT_URL, node_id=settings.REACH_NODE_ID,
+            prefix=settings.MQTT_TOPIC_PREFIX, instance=settings.REACH_BRIDGE_INSTANCE,
+            protocol_version=settings.MQTT_PROTOCOL, monitor=settings.REACH_MONITOR,
+            session_expiry_s=settings.MQTT_SESSION_EXPIRY_S,
+            max_queued=settings.MQTT_MAX_QUEUED, batch=settings.REACH_BRIDGE_BATCH,
+            heartbeat_ms=settings.REACH_HEARTBEAT_MS,
+        )
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        if not self.node_id:
+            log.warning("REACH_NODE_ID is empty: the bridge stays out of targeted delivery "
+                        "(no inbox subscription, no heartbeat); set REACH_NODE_ID")
+        client = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
+            protocol=mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311,
+            clean_session=None if self.v5 else False, manual_ack=True,
+        )
+        client.max_queued_messages_set(self.max_queued)
+        client.max_inflight_messages_set(100)
+        client.reconnect_delay_set(min_delay=1, max_delay=30)
+        if self.username:
+            client.username_pw_set(self.username, self.password)
+        if self.tls:
+            client.tls_set()
+        client.on_connect = self._guard(self._on_connect)
+        client.on_disconnect = self._guard(self._on_disconnect)
+        client.on_message = self._guard(self._on_message)
+        client.on_publish = self._guard(self._on_publish)
+        self._client = client
+        self._register_local_agents()
+        if self.v5:
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = self.session_expiry_s
+            client.connect_async(self.host, self.port, keepalive=30, clean_start=False,
+                                 properties=props)
+        else:
+            client.connect_async(self.host, self.port, keepalive=30)
+        client.loop_start()
+        self._owner = threading.Thread(target=self._run, name="mqtt-bridge", daemon=True)
+        self._owner.start()
+        runtime.set_bridge(self)
+        log.info("MQTT bridge %s → %s (monitor %s)", self.client_id, self.url,
+                 "on" if self.monitor else "off")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if runtime.current_bridge() is self:
+            runtime.set_bridge(None)
+        self._stop.set()
+        if self._owner is not None:
+            self._owner.join(timeout)
+            self._owner = None
+        if self._client is not None:
+            self._client.disconnect()
+            self._client.loop_stop()
+            self._client = None
+        self.counts.flush()
+
+    def wait_connected(self, timeout: float = 10.0) -> bool:
+        return self.connected.wait(timeout)
+
+    def submit(self, pks: list[int]) -> None:
+        """Ask the owner thread to publish these SENT rows (any thread may call this)."""
+        try:
+            self._work.put_nowait(_Publish(tuple(pks)))
+        except queue.Full:
+            # The rows stay SENT: the outbox sweep hands them over again.
+            self.counts["outbox_full"] += len(pks)
+
+    # --- paho callbacks (network thread): hand over, never block on the database ------------
+    def _guard(self, callback):
+        """An exception escaping a paho callback kills paho's network thread (reconnects
+        and PUBACKs stop): count it, log it, keep the loop alive."""
+
+        def guarded(*args: Any) -> None:
+            try:
+                callback(*args)
+            except Exception:
+                self.counts["callback_errors"] += 1
+                log.exception("MQTT callback %s failed", callback.__name__)
+
+        return guarded
+
+    def _subscriptions(self) -> list[tuple[str, int]]:
+        subs = [(protocol.heartbeat_wildcard(self.prefix), 0)]
+        if self.node_id:
+            subs.append((protocol.inbox_topic(self.prefix, self.node_id), 1))
+        if self.monitor:
+            subs.append((protocol.inbox_wildcard(self.prefix), 1))
+        return subs
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            log.error("MQTT broker %s refused the bridge: %s", self.url, reason_code)
+            return
+        self.generation += 1
+        # Subscribe every time, whatever session_present says: a broker that lost the
+        # session (restart without persistence) must not leave the console deaf.
+        client.subscribe(self._subscriptions())
+        self.connected.set()
+        log.info("MQTT bridge connected (session present: %s)", flags.session_present)
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        self.connected.clear()
+        if reason_code == 142:  # MQTT 5 "session taken over"
+            log.error("another client took over the MQTT session %s: give each bridge its own "
+                      "REACH_BRIDGE_INSTANCE", self.client_id)
+        elif not self._stop.is_set():
+            log.warning("MQTT bridge disconnected (%s); paho reconnects", reason_code)
+
+    def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
+        # Blocks when the owner is behind: paho stops reading and the broker keeps the rest.
+        self._work.put(_Received(message.topic, message.payload, message.mid, message.qos,
+                                 self.generation))
+
+    def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        failure = str(reason_code) if getattr(reason_code, "is_failure", False) else ""
+        self._work.put(_Confirmed(mid, failure))
+
+    # --- the owner thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step(wait=0.2)
+            except Exception:
+                self.counts["owner_errors"] += 1
+                log.exception("MQTT bridge step failed; continuing")
+                time.sleep(0.5)
+        self._drain_on_stop()
+
+    def step(self, wait: float = 0.0) -> bool:
+        """One turn of the owner loop; returns whether it found work."""
+        items = self._take(wait)
+        received = [i for i in items if isinstance(i, _Received)]
+        publishes = [pk for i in items if isinstance(i, _Publish) for pk in i.pks]
+        confirms = [i for i in items if isinstance(i, _Confirmed)]
+        if received:
+            self._ingest(received)
+        if confirms:
+            self._confirm(confirms)
+        now = time.monotonic()
+        if self._backlog and now >= self._backlog_at:
+            publishes, self._backlog = self._backlog + publishes, []
+        if publishes:
+            self._publish(publishes)
+        if self.node_id and now - self._last_heartbeat >= self.heartbeat_s:
+            self._last_heartbeat = now
+            self._heartbeat()
+        if now - self._last_flush >= 1.0:
+            self._last_flush = now
+            self.counts.flush()
+        return bool(items)
+
+    def _take(self, wait: float) -> list:
+        try:
+            first = self._work.get(timeout=wait) if wait else self._work.get_nowait()
+        except queue.Empty:
+            return []
+        items = [first]
+        # Natural batching: take what has queued up meanwhile, up to one batch of messages.
+        while len(items) < self.batch:
+            try:
+                items.append(self._work.get_nowait())
+            except queue.Empty:
+                break
+        return items
+
+    def _ingest(self, received: list[_Received]) -> None:
+        batch = [Incoming(r.topic, r.payload) for r in received]
+        for delay in (*RETRY_BACKOFF_S, None):
+            try:
+                close_old_connections()
+                result = messages_ingest(batch=batch, node_id=self.node_id, prefix=self.prefix)
+                break
+            except DB_DOWN as exc:
+                if self._stop.is_set() or delay is None:
+                    # Not acknowledged: the broker delivers them again to the next session.
+                    log.error("database unavailable, %d messages left to the broker: %s",
+                              len(batch), exc)
+                    return
+                log.warning("database unavailable (%s); retrying in %.1f s", exc, delay)
+                time.sleep(delay)
+            except Exception:
+                log.exception("a batch of %d messages failed; isolating the bad ones", len(batch))
+                result = self._ingest_one_by_one(batch)
+                break
+        self.counts.update(result.counts)
+        self._ack(received)
+        if result.to_publish:
+            self._publish(result.to_publish)
+
+    def _ingest_one_by_one(self, batch: list[Incoming]):
+        from messages.inbound import IngestResult
+
+        total = IngestResult()
+        for item in batch:
+            try:
+                one = messages_ingest(batch=[item], node_id=self.node_id, prefix=self.prefix)
+            except DB_DOWN:
+                raise
+            except Exception:
+                # A message that makes the handler fail is counted and skipped, not retried
+                # forever: everything behind it would wait.
+                log.exception("skipping a message on %s that the handler cannot take", item.topic)
+                total.counts["handler_errors"] += 1
+                continue
+            total.counts.update(one.counts)
+            total.to_publish += one.to_publish
+        return total
+
+    def _ack(self, received: list[_Received]) -> None:
+        client = self._client
+        if client is None:
+            return
+        for r in received:
+            # An id from an earlier connection may now name another message: leave those to
+            # the broker's redelivery (the insert is idempotent).
+            if r.qos > 0 and r.generation == self.generation:
+                client.ack(r.mid, r.qos)
+
+    def _publish(self, pks: list[int]) -> None:
+        client = self._client
+        if client is None:
+            return
+        close_old_connections()
+        rows = list(Message.objects.filter(pk__in=pks, status=Status.SENT,
+                                           direction=Direction.SEND))
+        failed: list[Change] = []
+        for row in rows:
+            try:
+                data = protocol.encode(envelope_from_row(row),
+                                       max_bytes=settings.REACH_MAX_MESSAGE_BYTES)
+            except (ValueError, TypeError) as exc:
+                failed.append(Change(pk=row.pk, to=Status.FAILED,
+                                     allowed=frozenset({Status.SENT}), actor="bridge",
+                                     reason=str(exc), fields={"error": str(exc)}))
+                continue
+            topic = row.topic or protocol.inbox_topic(self.prefix, row.target_node_id)
+            info = client.publish(topic, data, qos=1)
+            if info.rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+                # NO_CONN: paho keeps a QoS 1 message and sends it on reconnect.
+                self._pending[info.mid] = row.pk
+                self.counts["published"] += 1
+            else:
+                # QUEUE_SIZE and friends: not queued. The row stays SENT and is tried again.
+                self.counts[f"publish_deferred:{mqtt.error_string(info.rc)}"] += 1
+                self._backlog.append(row.pk)
+        if self._backlog:
+            self._backlog_at = time.monotonic() + 0.5 + random.random() * 0.5  # noqa: S311
+        if failed:
+            self._apply(failed)
+
+    def _confirm(self, confirms: list[_Confirmed]) -> None:
+        now = timezone.now()
+        changes = []
+        for item in confirms:
+            pk = self._pending.pop(item.mid, None)
+            if pk is None:
+                continue
+            if item.failure:
+                reason = f"the broker refused it: {item.failure}"
+                changes.append(Change(pk=pk, to=Status.FAILED, allowed=frozenset({Status.SENT}),
+                                      actor="bridge", reason=reason,
+                                      fields={"error": reason, "finished_at": now}))
+            else:
+                changes.append(Change(pk=pk, to=Status.PUBLISHED,
+                                      allowed=frozenset({Status.SENT}), actor="bridge",
+                                      reason="PUBACK", fields={"published_at": now}))
+        self._apply(changes, now=now)
+        # An ACK may have overtaken the PUBACK: keep the time the broker took it anyway.
+        taken = [c.pk for c in changes if c.to == Status.PUBLISHED]
+        if taken:
+            Message.objects.filter(pk__in=taken, published_at__isnull=True).update(published_at=now)
+
+    def _apply(self, changes: list[Change], now: datetime | None = None) -> None:
+        if not changes:
+            return
+        now = now or timezone.now()
+        close_old_connections()
+        for delay in (*RETRY_BACKOFF_S, None):
+            try:
+                with transaction.atomic():
+                    applied = changes_apply(changes, now=now)
+                    events_on_commit(applied.events)
+                return
+            except DatabaseError as exc:
+                if delay is None or self._stop.is_set():
+                    log.error("could not record %d status changes: %s", len(changes), exc)
+                    return
+                time.sleep(delay)
+
+    def _register_local_agents(self) -> None:
+        if not self.node_id:
+            return
+        try:
+            for agent_id in LOCAL_AGENTS:
+                agent_register(agent_id=agent_id, node_id=self.node_id, version="console",
+                               actor="bridge", metadata={"local": True})
+        except Exception:
+            log.exception("could not register the console's own agents")
+
+    def _heartbeat(self) -> None:
+        agents = [{"agentId": a, "inflight": 0, "queueDepth": 0, "maxInflight": 64}
+                  for a in LOCAL_AGENTS]
+        env = protocol.new_envelope(
+            message_type=protocol.MessageType.HEARTBEAT, from_agent_id=self.node_id,
+            headers={"originNodeId": self.node_id},
+            payload={"heartbeatMs": int(self.heartbeat_s * 1000), "agents": agents},
+        )
+        if self._client is not None:
+            self._client.publish(protocol.heartbeat_topic(self.prefix, self.node_id),
+                                 protocol.encode(env), qos=0)
+        try:
+            close_old_connections()
+            # Our own heartbeat comes back as an echo and is dropped: renew directly.
+            heartbeat_record(node_id=self.node_id, agents=agents,
+                             heartbeat_ms=int(self.heartbeat_s * 1000))
+        except DatabaseError as exc:
+            log.warning("could not renew the console's own agents: %s", exc)
+
+    def _drain_on_stop(self) -> None:
+        """Finish what was received (so it can be acknowledged) before the client closes."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            items = self._take(0)
+            if not items:
+                break
+            received = [i for i in items if isinstance(i, _Received)]
+            if received:
+                self._ingest(received)
+            confirms = [i for i in items if isinstance(i, _Confirmed)]
+            if confirms:
+                self._confirm(confirms)
+
+    def stats(self) -> dict[str, Any]:
+        return {"connected": self.connected.is_set(), "queued": self._work.qsize(),
+                "pending_pubacks": len(self._pending), "backlog": len(self._backlog),
+                "counts": dict(self.counts)}

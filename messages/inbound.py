@@ -1,0 +1,262 @@
+"""What the bridge does with a batch of MQTT messages, in PROTOCOL.md's order:
+
+1. reject and count what is not an A2A envelope (never crash, never a half row);
+2. drop self-originated messages (heartbeats by `originNodeId` only);
+3. answer a duplicate TASK_REQUEST (same idempotency key in the window) with ACK
+   `duplicate: true`, without executing or storing it again;
+4. store each message once (`ON CONFLICT DO NOTHING`), then act only on rows this call
+   inserted: ACK/NACK/BUSY move the acknowledged send, TASK_RESPONSE completes its request,
+   HEARTBEAT renews leases through the roster, a request to a console agent runs once.
+
+One transaction per batch; the bridge acknowledges the batch to the broker after it commits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from messages import protocol
+from messages.events import events_on_commit, message_events
+from messages.handlers import LOCAL_HANDLERS
+from messages.models import Direction, Message, Status
+from messages.outbound import reply_row
+from messages.state import Change, changes_apply, messages_insert_new
+from roster.services import heartbeat_record
+
+log = logging.getLogger(__name__)
+MT = protocol.MessageType
+
+# Where an acknowledgement or response may move a row from.
+ACKABLE = frozenset({Status.SENT, Status.PUBLISHED, Status.OBSERVED})
+ANSWERABLE = frozenset({Status.SENT, Status.PUBLISHED, Status.ACKED, Status.OBSERVED})
+_last_logged: dict[str, float] = {}
+
+
+def _log_once_a_minute(reason: str, detail: str) -> None:
+    now = time.monotonic()
+    if now - _last_logged.get(reason, -120.0) >= 60.0:
+        _last_logged[reason] = now
+        log.warning("rejected an MQTT payload (%s): %s", reason, detail)
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    topic: str
+    payload: bytes
+    received_at: datetime | None = None
+
+
+@dataclass
+class IngestResult:
+    stored: int = 0
+    to_publish: list[int] = field(default_factory=list)
+    counts: Counter = field(default_factory=Counter)
+
+
+def _row(env: protocol.Envelope, *, topic: str, direction: str, now: datetime) -> Message:
+    headers = env.headers
+    return Message(
+        message_id=env.message_id, task_id=(env.task_id or "")[:200],
+        idempotency_key=env.idempotency_key[:200], message_type=env.message_type.value,
+        direction=direction, status=Status.RECV if direction == Direction.RECV else Status.OBSERVED,
+        from_agent_id=(env.from_agent_id or "")[:265], to_agent_id=(env.to_agent_id or "")[:265],
+        target_node_id=(env.target_node_id or "")[:128],
+        origin_node_id=(env.origin_node_id or "")[:128],
+        reply_node_id=(env.reply_node_id or "")[:128],
+        conversation_id=(env.conversation_id or "")[:200],
+        scene_group_id=(env.scene_group_id or "")[:200], session_id=(env.session_id or "")[:200],
+        topic=topic[:300], headers=headers, payload=env.payload, attempt=env.attempt,
+        # The message this one answers: a response's inReplyTo, an ACK/NACK/BUSY's ackFor.
+        in_reply_to=(env.in_reply_to or env.ack_for or "")[:200], created_at=now,
+        updated_at=now,
+    )
+
+
+def _is_self(env: protocol.Envelope, node_id: str) -> bool:
+    if env.message_type == MT.HEARTBEAT:
+        return env.origin_node_id == node_id
+    return env.from_agent_id == node_id or env.from_agent_id in LOCAL_HANDLERS
+
+
+def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
+                    now: datetime | None = None) -> IngestResult:
+    now = now or timezone.now()
+    result = IngestResult()
+    counts = result.counts
+    rows: list[Message] = []
+    heartbeats: list[tuple[str, protocol.Envelope]] = []
+    for item in batch:
+        match = protocol.parse_topic(prefix, item.topic)
+        if match is None:
+            counts["rejected:unknown_topic"] += 1
+            _log_once_a_minute("unknown_topic", f"topic {item.topic[:200]!r}")
+            continue
+        env = protocol.decode(item.payload, max_bytes=settings.REACH_MAX_MESSAGE_BYTES)
+        if isinstance(env, protocol.Rejection):
+            counts[f"rejected:{env.reason.value}"] += 1
+            _log_once_a_minute(env.reason.value, f"on {item.topic[:200]}: {env.detail}")
+            continue
+        if _is_self(env, node_id):
+            counts["dropped_self"] += 1
+            continue
+        if match.kind == "heartbeat":
+            if env.message_type != MT.HEARTBEAT:
+                counts["rejected:not_a_heartbeat"] += 1
+                _log_once_a_minute("not_a_heartbeat", f"{env.message_type} on {item.topic}")
+                continue
+            heartbeats.append((match.node_id, env))
+            continue
+        direction = Direction.RECV if match.node_id == node_id else Direction.OBSERVED
+        rows.append(_row(env, topic=item.topic, direction=direction, now=now))
+
+    with transaction.atomic():
+        for hb_node, env in heartbeats:
+            _heartbeat(hb_node, env, now=now, counts=counts)
+        duplicates, rows = _split_duplicates(rows, now=now)
+        fresh = messages_insert_new(rows)
+        counts["duplicate_message_id"] += len(rows) - len(fresh)
+        counts["stored"] += len(fresh)
+        result.stored = len(fresh)
+        events: list[dict] = []
+        for row in fresh:
+            events += message_events(row, previous="")
+        changes: list[Change] = []
+        replies: list[Message] = []
+        for row in duplicates:
+            counts["duplicate_idempotency_key"] += 1
+            ack = reply_row(to=row, message_type=MT.ACK, payload={"duplicate": True}, now=now,
+                            extra_headers={"ackFor": row.message_id})
+            if ack:
+                replies.append(ack)
+        for row in fresh:
+            _act(row, changes=changes, replies=replies, now=now)
+        applied = changes_apply(changes, now=now)
+        events += applied.events
+        counts["stale_answers"] += applied.skipped
+        sent = messages_insert_new(replies)
+        for reply in sent:
+            events += message_events(reply, previous="")
+        result.to_publish = [reply.pk for reply in sent]
+        events_on_commit(events)
+    return result
+
+
+def _heartbeat(node_id: str, env: protocol.Envelope, *, now: datetime, counts: Counter) -> None:
+    payload = env.payload if isinstance(env.payload, dict) else {}
+    agents = payload.get("agents") if isinstance(payload.get("agents"), list) else []
+    beat_ms = payload.get("heartbeatMs")
+    outcome = heartbeat_record(
+        node_id=node_id, agents=agents, now=now,
+        heartbeat_ms=beat_ms if isinstance(beat_ms, int) and beat_ms > 0 else None,
+    )
+    counts["heartbeats"] += 1
+    counts["heartbeat_conflicts"] += len(outcome.conflicts)
+
+
+def _split_duplicates(rows: list[Message], *, now: datetime) -> tuple[list[Message], list[Message]]:
+    """TASK_REQUESTs to this node whose idempotency key was already received in the window.
+
+    Checked against the table (the authority) and within the batch; only requests to this
+    node, since it is the executor that must not run the same work twice.
+    """
+    requests = [
+        r for r in rows if r.direction == Direction.RECV and r.message_type == MT.TASK_REQUEST
+    ]
+    if not requests:
+        return [], rows
+    window = now - timedelta(seconds=settings.REACH_IDEMPOTENCY_TTL_S)
+    seen = set(
+        Message.objects.filter(
+            direction=Direction.RECV, message_type=MT.TASK_REQUEST, created_at__gte=window,
+            idempotency_key__in=[r.idempotency_key for r in requests],
+        ).exclude(message_id__in=[r.message_id for r in requests])
+        .values_list("idempotency_key", flat=True)
+    )
+    request_ids = {id(r) for r in requests}
+    first_with_key: dict[str, str] = {key: "" for key in seen}
+    duplicates, keep = [], []
+    for row in rows:
+        if id(row) in request_ids:
+            holder = first_with_key.setdefault(row.idempotency_key, row.message_id)
+            # The same transmission twice is a message-id duplicate (the insert drops it);
+            # another transmission of the same work is an idempotency duplicate.
+            if holder != row.message_id:
+                duplicates.append(row)
+                continue
+        keep.append(row)
+    return duplicates, keep
+
+
+def _act(row: Message, *, changes: list[Change], replies: list[Message], now: datetime) -> None:
+    kind = row.message_type
+    headers = row.headers or {}
+    payload = row.payload if isinstance(row.payload, dict) else {}
+    ack_for = headers.get("ackFor") if isinstance(headers.get("ackFor"), str) else None
+    if kind == MT.ACK and ack_for:
+        changes.append(Change(message_id=ack_for, to=Status.ACKED, allowed=ACKABLE,
+                              reason="ACK" + (" (duplicate)" if payload.get("duplicate") else ""),
+                              actor="bridge", fields={"acked_at": now}))
+    elif kind == MT.NACK and ack_for:
+        reason = str(payload.get("reason") or "refused by the receiver")[:2000]
+        retry = "retryable" if payload.get("retryable") else "not retryable"
+        changes.append(Change(message_id=ack_for, to=Status.NACKED, allowed=ACKABLE,
+                              reason=f"NACK ({retry}): {reason}", actor="bridge",
+                              fields={"error": f"{row.from_agent_id or 'the receiver'} refused "
+                                      f"it ({retry}): {reason}", "finished_at": now}))
+    elif kind == MT.BUSY and ack_for:
+        changes.append(Change(message_id=ack_for, to=Status.BUSY, allowed=ACKABLE,
+                              reason="BUSY: the receiver's queue is full", actor="bridge",
+                              fields={"error": "the receiver's queue was full (BUSY)"}))
+    elif kind == MT.TASK_RESPONSE and row.in_reply_to:
+        ok = payload.get("ok", True) is not False
+        error = "" if ok else f"the task failed: {str(payload.get('error'))[:2000]}"
+        changes.append(Change(message_id=row.in_reply_to,
+                              to=Status.COMPLETED if ok else Status.TASK_ERROR,
+                              allowed=ANSWERABLE, reason="TASK_RESPONSE", actor="bridge",
+                              fields={"finished_at": now, "error": error}))
+        if row.direction == Direction.RECV:
+            ack = reply_row(to=row, message_type=MT.ACK, payload={}, now=now,
+                            extra_headers={"ackFor": row.message_id})
+            if ack:
+                replies.append(ack)
+    elif kind == MT.TASK_REQUEST and row.direction == Direction.RECV:
+        _request_to_console(row, changes=changes, replies=replies, now=now)
+    elif kind == MT.DRAIN and row.direction == Direction.RECV:
+        ack = reply_row(to=row, message_type=MT.ACK, payload={}, now=now,
+                        extra_headers={"ackFor": row.message_id})
+        if ack:
+            replies.append(ack)
+
+
+def _request_to_console(row: Message, *, changes: list[Change], replies: list[Message],
+                        now: datetime) -> None:
+    handler = LOCAL_HANDLERS.get(row.to_agent_id)
+    ack_headers = {"ackFor": row.message_id}
+    if handler is None:
+        nack = reply_row(to=row, message_type=MT.NACK, now=now, extra_headers=ack_headers,
+                         payload={"reason": f"node {settings.REACH_NODE_ID} hosts no agent "
+                                  f"{row.to_agent_id or '(none named)'}", "retryable": False})
+        if nack:
+            replies.append(nack)
+        return
+    # Consumed here and only here: this row was just inserted, so no other path has it.
+    changes.append(Change(pk=row.pk, to=Status.LOCAL_CONSUMED, allowed=frozenset({Status.RECV}),
+                          reason="handled by the console", actor="bridge",
+                          fields={"finished_at": now}))
+    ack = reply_row(to=row, message_type=MT.ACK, payload={}, now=now, extra_headers=ack_headers)
+    try:
+        response_payload = {"ok": True, "result": handler(row.payload)}
+    except Exception as exc:  # a handler's failure is the task's answer, not the bridge's
+        log.exception("local handler %s failed", row.to_agent_id)
+        response_payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    response = reply_row(to=row, message_type=MT.TASK_RESPONSE, payload=response_payload,
+                         now=now, extra_headers={"inReplyTo": row.message_id})
+    replies += [r for r in (ack, response) if r]

@@ -1,0 +1,115 @@
+"""The `a2a_message` table: the only authority on what happened to a message."""
+
+from __future__ import annotations
+
+from django.db import models
+from django.utils import timezone
+
+
+class Direction(models.TextChoices):
+    SEND = "SEND", "sent by the console"
+    RECV = "RECV", "received by the console"
+    OBSERVED = "OBSERVED", "seen between other nodes"
+
+
+class Status(models.TextChoices):
+    SENT = "SENT", "written, not yet taken by the broker"
+    PUBLISHED = "PUBLISHED", "taken by the broker (PUBACK)"
+    ACKED = "ACKED", "acknowledged by the receiver"
+    NACKED = "NACKED", "refused by the receiver"
+    BUSY = "BUSY", "the receiver's queue was full"
+    COMPLETED = "COMPLETED", "the response arrived"
+    TASK_ERROR = "TASK_ERROR", "the response reported an error"
+    LOCAL_CONSUMED = "LOCAL_CONSUMED", "handled by the console itself"
+    UNDELIVERABLE = "UNDELIVERABLE", "no node could be resolved; not published"
+    FAILED = "FAILED", "publishing failed"
+    EXPIRED = "EXPIRED", "no acknowledgement in time"
+    RECV = "RECV", "received"
+    OBSERVED = "OBSERVED", "observed on the bus"
+
+
+FAILURE_STATUSES = frozenset(
+    {Status.UNDELIVERABLE, Status.FAILED, Status.NACKED, Status.EXPIRED, Status.TASK_ERROR}
+)
+# A send is still "in flight" while the receiver has not answered it.
+INFLIGHT_STATUSES = frozenset({Status.SENT, Status.PUBLISHED})
+
+
+class Message(models.Model):
+    """One transmission. A retry or a resend is a new row with a new message id."""
+
+    message_id = models.CharField(max_length=200, unique=True)
+    task_id = models.CharField(max_length=200, blank=True, db_index=True)
+    idempotency_key = models.CharField(max_length=200, blank=True, db_index=True)
+    message_type = models.CharField(max_length=16)
+    direction = models.CharField(max_length=8, choices=Direction.choices)
+    status = models.CharField(max_length=16, choices=Status.choices)
+    from_agent_id = models.CharField(max_length=265, blank=True)
+    to_agent_id = models.CharField(max_length=265, blank=True)
+    target_node_id = models.CharField(max_length=128, blank=True)
+    origin_node_id = models.CharField(max_length=128, blank=True)
+    reply_node_id = models.CharField(max_length=128, blank=True)
+    conversation_id = models.CharField(max_length=200, blank=True, db_index=True)
+    scene_group_id = models.CharField(max_length=200, blank=True)
+    session_id = models.CharField(max_length=200, blank=True)
+    topic = models.CharField(max_length=300, blank=True)
+    headers = models.JSONField(default=dict, blank=True)
+    payload = models.JSONField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    # How the directory chose the target: level and the candidates it considered.
+    resolution = models.JSONField(null=True, blank=True)
+    attempt = models.PositiveIntegerField(default=1)
+    # The message this one answers: inReplyTo of a response, ackFor of an ACK/NACK/BUSY.
+    in_reply_to = models.CharField(max_length=200, blank=True, db_index=True)
+    resend_of = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="resends"
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+    published_at = models.DateTimeField(null=True, blank=True)
+    acked_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    deadline_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        db_table = "a2a_message"
+        ordering = ["-created_at", "-id"]
+        indexes = [
+            models.Index(fields=["created_at", "id"], name="a2a_timeline"),
+            models.Index(fields=["status", "created_at"], name="a2a_status_created"),
+            models.Index(fields=["to_agent_id", "created_at"], name="a2a_to_agent_created"),
+            models.Index(fields=["from_agent_id", "created_at"], name="a2a_from_agent_created"),
+        ]
+        permissions = [("resend_message", "Can resend a message from the console")]
+
+    def __str__(self) -> str:
+        return f"{self.message_type} {self.message_id} {self.status}"
+
+    @property
+    def is_failure(self) -> bool:
+        return self.status in FAILURE_STATUSES
+
+
+class Transition(models.Model):
+    """Every status change of a message: the raw material of its trace."""
+
+    class Actor(models.TextChoices):
+        API = "api", "the API"
+        BRIDGE = "bridge", "the MQTT bridge"
+        SWEEPER = "sweeper", "a sweeper"
+        OPERATOR = "operator", "an operator"
+        CONSOLE = "console", "the console"
+
+    message = models.ForeignKey(Message, on_delete=models.CASCADE, related_name="transitions")
+    from_status = models.CharField(max_length=16, blank=True)
+    to_status = models.CharField(max_length=16)
+    at = models.DateTimeField(default=timezone.now)
+    reason = models.TextField(blank=True)
+    actor = models.CharField(max_length=16, choices=Actor.choices)
+    by = models.CharField(max_length=150, blank=True, help_text="user or token, when a person")
+
+    class Meta:
+        ordering = ["at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.from_status or '∅'} → {self.to_status}"

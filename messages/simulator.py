@@ -1,0 +1,324 @@
+"""A small simulated cluster that speaks PROTOCOL.md for real, as another team's nodes would.
+
+Each node registers its agents over the HTTP API, heartbeats over MQTT, answers a
+TASK_REQUEST with ACK then TASK_RESPONSE (or NACK / BUSY / a failed response, by the knobs),
+de-duplicates on the idempotency key, and sends tasks to the other nodes' agents. It uses
+only the public contract (HTTP API, MQTT topics), no ORM, so tests can use it as a real peer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import paho.mqtt.client as mqtt
+
+from messages import protocol
+
+log = logging.getLogger(__name__)
+MT = protocol.MessageType
+
+NAMESPACES = {
+    "fin": ["tax", "vat-report", "bank-statement", "invoice"],
+    "llm": ["chat", "summarize", "translate", "bank-statement"],
+    "web": ["web_search", "crawl", "scrape"],
+    "ops": ["backup", "notify", "inventory"],
+}
+
+
+@dataclass
+class SimulatedAgent:
+    agent_id: str
+    capabilities: list[str]
+    groups: list[str]
+    max_inflight: int
+    inflight: int = 0
+
+
+@dataclass
+class Knobs:
+    rate: float = 2.0  # tasks per second, the whole cluster
+    fail_rate: float = 0.0  # share of tasks answered with ok=false
+    busy_rate: float = 0.0  # share of requests answered BUSY
+    nack_rate: float = 0.0  # share of requests refused with NACK
+    slow_ms: int = 50  # time to do a task
+    kill_node_after: float | None = None  # the last node goes silent after this many seconds
+
+
+def cluster_plan(*, nodes: int, agents: int, seed: int = 7) -> list[SimulatedNode]:
+    """Spread `agents` over `nodes` deterministically for a given seed."""
+    rng = random.Random(seed)
+    pool = [(ns, name) for ns, names in NAMESPACES.items() for name in names]
+    plan = [SimulatedNode(node_id=f"sim-node-{chr(ord('a') + i)}") for i in range(nodes)]
+    for i in range(agents):
+        ns, name = pool[i % len(pool)]
+        suffix = "" if i < len(pool) else f"-{i // len(pool) + 1}"
+        plan[i % nodes].agents.append(SimulatedAgent(
+            agent_id=f"{ns}.{name}{suffix}", capabilities=[name], groups=[f"#{ns}-team"],
+            max_inflight=rng.choice([4, 8, 16]),
+        ))
+    return plan
+
+
+@dataclass
+class SimulatedNode:
+    node_id: str
+    agents: list[SimulatedAgent] = field(default_factory=list)
+    heartbeat_ms: int = 5000
+    alive: bool = True
+    executions: Counter = field(default_factory=Counter)  # idempotency key → times executed
+    received: Counter = field(default_factory=Counter)  # message type → count
+    duplicates: int = 0
+    responses: dict[str, dict] = field(default_factory=dict)  # request id → response payload
+    client: mqtt.Client | None = None
+    work: queue.Queue = field(default_factory=queue.Queue)
+    seen_keys: dict[str, float] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def hosts(self, agent_id: str | None) -> bool:
+        return any(a.agent_id == agent_id for a in self.agents)
+
+
+class SimulatedCluster:
+    def __init__(self, *, base_url: str, token: str, mqtt_url: str, nodes: int = 3,
+                 agents: int = 12, knobs: Knobs | None = None, seed: int = 7,
+                 prefix: str = "ooder", source: str = "studio", mqtt_protocol: str = "5",
+                 heartbeat_ms: int | None = None):
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"the console URL must be http(s)://…, not {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.source = source
+        self.mqtt = urlparse(mqtt_url)
+        self.mqtt_v5 = mqtt_protocol == "5"
+        self.prefix = prefix
+        self.knobs = knobs or Knobs()
+        self.heartbeat_ms = heartbeat_ms
+        self.nodes = cluster_plan(nodes=nodes, agents=agents, seed=seed)
+        self.rng = random.Random(seed)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.http_errors = 0
+        self.sent_requests = 0
+
+    # --- HTTP: lifecycle ---------------------------------------------------------------------
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict | None:
+        data = json.dumps(body).encode() if body is not None else b""
+        request = urllib.request.Request(  # noqa: S310 - the scheme is checked in __init__
+            f"{self.base_url}{path}", data=data, method=method,
+            headers={"Authorization": f"Bearer {self.token}", "X-OODER-Source": self.source,
+                     "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            self.http_errors += 1
+            log.warning("simulator: %s %s → %s %s", method, path, exc.code,
+                        exc.read()[:200].decode(errors="replace"))
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            self.http_errors += 1
+            log.warning("simulator: %s %s failed: %s", method, path, exc)
+        return None
+
+    def register(self, node: SimulatedNode) -> bool:
+        ok = True
+        for agent in node.agents:
+            lease = self._call("POST", "/api/roster/agents", {
+                "agentId": agent.agent_id, "nodeId": node.node_id, "version": "sim-1",
+                "capabilities": agent.capabilities, "groups": agent.groups,
+                "maxInflight": agent.max_inflight, "metadata": {"simulated": True},
+            })
+            if lease:
+                node.heartbeat_ms = self.heartbeat_ms or lease["heartbeatMs"]
+            ok = ok and lease is not None
+        return ok
+
+    # --- MQTT ----------------------------------------------------------------------------------
+    def _connect(self, node: SimulatedNode) -> None:
+        client = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2, client_id=f"sim-{node.node_id}",
+            protocol=mqtt.MQTTv5 if self.mqtt_v5 else mqtt.MQTTv311,
+            clean_session=None if self.mqtt_v5 else False,
+        )
+        inbox = protocol.inbox_topic(self.prefix, node.node_id)
+
+        def on_connect(c, userdata, flags, reason_code, properties):
+            if not reason_code.is_failure:
+                c.subscribe(inbox, qos=1)
+
+        def on_message(c, userdata, message):
+            node.work.put(message.payload)
+
+        client.on_connect = on_connect
+        client.on_message = on_message
+        client.suppress_exceptions = True
+        client.reconnect_delay_set(1, 5)
+        client.connect_async(self.mqtt.hostname, self.mqtt.port or 1883, keepalive=30)
+        client.loop_start()
+        node.client = client
+
+    def _publish(self, node: SimulatedNode, to_node: str, env: protocol.Envelope) -> None:
+        if node.client is not None:
+            node.client.publish(protocol.inbox_topic(self.prefix, to_node), protocol.encode(env),
+                                qos=1)
+
+    def _reply(self, node: SimulatedNode, request: protocol.Envelope, kind: MT,
+               payload: dict, **headers) -> None:
+        reply_to = request.reply_node_id
+        if not reply_to:
+            return
+        env = protocol.new_envelope(
+            message_type=kind, from_agent_id=request.to_agent_id or node.node_id,
+            to_agent_id=request.from_agent_id, task_id=request.task_id,
+            conversation_id=request.conversation_id, target_node_id=reply_to,
+            headers={"originNodeId": node.node_id, "replyNodeId": node.node_id, **headers},
+            payload=payload,
+        )
+        self._publish(node, reply_to, env)
+
+    def heartbeat(self, node: SimulatedNode) -> None:
+        agents = []
+        for agent in node.agents:
+            agent.inflight = max(0, min(agent.max_inflight,
+                                        agent.inflight + self.rng.choice([-1, 0, 1])))
+            agents.append({"agentId": agent.agent_id, "inflight": agent.inflight,
+                           "queueDepth": node.work.qsize(), "maxInflight": agent.max_inflight})
+        env = protocol.new_envelope(
+            message_type=MT.HEARTBEAT, from_agent_id=node.node_id,
+            headers={"originNodeId": node.node_id},
+            payload={"heartbeatMs": node.heartbeat_ms, "agents": agents},
+        )
+        if node.client is not None:
+            node.client.publish(protocol.heartbeat_topic(self.prefix, node.node_id),
+                                protocol.encode(env), qos=0)
+
+    def handle(self, node: SimulatedNode, raw: bytes) -> None:
+        env = protocol.decode(raw)
+        if isinstance(env, protocol.Rejection):
+            node.received["rejected"] += 1
+            return
+        node.received[env.message_type.value] += 1
+        if env.message_type == MT.TASK_RESPONSE:
+            self._reply(node, env, MT.ACK, {}, ackFor=env.message_id)
+            with node.lock:
+                node.responses[env.in_reply_to or ""] = env.payload
+            return
+        if env.message_type != MT.TASK_REQUEST:
+            return
+        if not node.hosts(env.to_agent_id):
+            self._reply(node, env, MT.NACK, {"reason": f"{node.node_id} hosts no agent "
+                        f"{env.to_agent_id}", "retryable": False}, ackFor=env.message_id)
+            return
+        key = env.idempotency_key
+        with node.lock:
+            duplicate = key in node.seen_keys
+            node.seen_keys[key] = time.monotonic()
+        if duplicate:
+            node.duplicates += 1
+            self._reply(node, env, MT.ACK, {"duplicate": True}, ackFor=env.message_id)
+            return
+        roll = self.rng.random()
+        if roll < self.knobs.busy_rate:
+            with node.lock:
+                node.seen_keys.pop(key, None)  # not accepted: a later try may run it
+            self._reply(node, env, MT.BUSY, {}, ackFor=env.message_id)
+            return
+        if roll < self.knobs.busy_rate + self.knobs.nack_rate:
+            self._reply(node, env, MT.NACK, {"reason": "simulated refusal", "retryable": True},
+                        ackFor=env.message_id)
+            return
+        self._reply(node, env, MT.ACK, {}, ackFor=env.message_id)
+        with node.lock:
+            node.executions[key] += 1
+        if self.knobs.slow_ms:
+            time.sleep(self.knobs.slow_ms / 1000)
+        if self.rng.random() < self.knobs.fail_rate:
+            payload = {"ok": False, "error": "simulated failure"}
+        else:
+            payload = {"ok": True, "result": {"echo": env.payload, "by": node.node_id}}
+        self._reply(node, env, MT.TASK_RESPONSE, payload, inReplyTo=env.message_id)
+
+    def send_task(self, node: SimulatedNode) -> None:
+        others = [n for n in self.nodes if n is not node and n.agents]
+        if not others or not node.agents:
+            return
+        target_node = self.rng.choice(others)
+        target = self.rng.choice(target_node.agents)
+        sender = self.rng.choice(node.agents)
+        task_id = f"sim-task-{self.rng.getrandbits(48):012x}"
+        env = protocol.new_envelope(
+            message_type=MT.TASK_REQUEST, from_agent_id=sender.agent_id,
+            to_agent_id=target.agent_id, target_node_id=target_node.node_id, task_id=task_id,
+            conversation_id=f"sim-conv-{self.rng.randint(1, 5)}",
+            headers={"replyNodeId": node.node_id, "originNodeId": node.node_id,
+                     "idempotencyKey": task_id, "timeoutMs": 30000, "attempt": 1},
+            payload={"input": {"n": self.sent_requests}},
+        )
+        self.sent_requests += 1
+        self._publish(node, target_node.node_id, env)
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def _run_node(self, node: SimulatedNode, index: int) -> None:
+        while not self._stop.is_set() and not self.register(node):
+            self._stop.wait(1.0)
+        self._connect(node)
+        started = time.monotonic()
+        next_beat = 0.0
+        per_node_rate = self.knobs.rate / max(1, len(self.nodes))
+        next_task = time.monotonic() + (self.rng.random() / per_node_rate if per_node_rate else 0)
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if (self.knobs.kill_node_after is not None and index == len(self.nodes) - 1
+                    and now - started > self.knobs.kill_node_after):
+                node.alive = False
+                log.warning("simulator: %s goes silent (--kill-node-after)", node.node_id)
+                if node.client is not None:
+                    node.client.disconnect()
+                    node.client.loop_stop()
+                return
+            if now >= next_beat:
+                self.heartbeat(node)
+                next_beat = now + node.heartbeat_ms / 1000
+            if per_node_rate and now >= next_task:
+                self.send_task(node)
+                next_task = now + self.rng.expovariate(per_node_rate)
+            try:
+                raw = node.work.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            try:
+                self.handle(node, raw)
+            except Exception:  # a simulator bug must not take the node down
+                log.exception("simulator: %s failed to handle a message", node.node_id)
+
+    def start(self) -> None:
+        for index, node in enumerate(self.nodes):
+            thread = threading.Thread(target=self._run_node, args=(node, index),
+                                      name=f"sim-{node.node_id}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(5)
+        for node in self.nodes:
+            if node.client is not None:
+                node.client.disconnect()
+                node.client.loop_stop()
+
+    def executions(self) -> Counter:
+        total: Counter = Counter()
+        for node in self.nodes:
+            total.update(node.executions)
+        return total

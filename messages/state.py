@@ -1,0 +1,133 @@
+"""Writes to `a2a_message`: inserting rows exactly once and moving them between statuses.
+
+Every status change is claimed under a row lock (or SQLite's write lock), recorded as a
+Transition, and announced with events after commit. Callers own the transaction.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from django.db import connection
+
+from messages.events import message_events
+from messages.models import Message, Transition
+
+INSERT_CHUNK = 400  # 24 columns × 400 rows stays under SQLite's 32,766 parameters
+
+
+def messages_insert_new(rows: list[Message]) -> list[Message]:
+    """Insert rows whose message id is new; return just those, with their primary keys.
+
+    `INSERT … ON CONFLICT (message_id) DO NOTHING RETURNING` (PostgreSQL, SQLite ≥ 3.35):
+    a message delivered twice, or by 16 writers at once, becomes one row, and only the
+    writer that inserted it acts on it.
+    """
+    if not rows:
+        return []
+    # Duplicates inside one batch would make the statement touch a row twice.
+    unique: dict[str, Message] = {}
+    for row in rows:
+        unique.setdefault(row.message_id, row)
+    fields = [f for f in Message._meta.concrete_fields if not f.primary_key]
+    qn = connection.ops.quote_name
+    columns = ", ".join(qn(f.column) for f in fields)
+    one = "(" + ", ".join(["%s"] * len(fields)) + ")"
+    inserted: dict[str, int] = {}
+    batch = list(unique.values())
+    with connection.cursor() as cursor:
+        for start in range(0, len(batch), INSERT_CHUNK):
+            chunk = batch[start : start + INSERT_CHUNK]
+            params: list[Any] = []
+            for row in chunk:
+                for f in fields:
+                    params.append(f.get_db_prep_save(f.pre_save(row, True), connection))
+            # Only quoted column names and placeholders are interpolated; values are params.
+            sql = (
+                f"INSERT INTO {qn(Message._meta.db_table)} ({columns}) "  # noqa: S608
+                f"VALUES {', '.join([one] * len(chunk))} "
+                f"ON CONFLICT ({qn('message_id')}) DO NOTHING "
+                f"RETURNING {qn('id')}, {qn('message_id')}"
+            )
+            cursor.execute(sql, params)
+            inserted.update({message_id: pk for pk, message_id in cursor.fetchall()})
+    fresh = []
+    for message_id, pk in inserted.items():
+        row = unique[message_id]
+        row.pk = pk
+        row._state.adding = False
+        fresh.append(row)
+    return fresh
+
+
+@dataclass
+class Change:
+    """Move the message `message_id` (or `pk`) to `to` if it is in one of `allowed`."""
+
+    to: str
+    allowed: frozenset[str]
+    reason: str
+    actor: str
+    message_id: str | None = None
+    pk: int | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+    by: str = ""
+
+
+@dataclass
+class Applied:
+    messages: list[Message] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    skipped: int = 0
+
+
+def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
+    """Apply status changes set-wise: one locked read and one update per kind of change.
+
+    A change whose row is not (or no longer) in an allowed status is skipped: a late ACK
+    never turns a COMPLETED request back into ACKED, and two workers never both act.
+    """
+    result = Applied()
+    groups: dict[tuple[str, frozenset[str], tuple[str, ...]], list[Change]] = defaultdict(list)
+    for change in changes:
+        groups[(change.to, change.allowed, tuple(sorted(change.fields)))].append(change)
+    transitions: list[Transition] = []
+    for (to, allowed, field_names), group in groups.items():
+        by_id = {c.message_id: c for c in group if c.message_id is not None}
+        by_pk = {c.pk: c for c in group if c.pk is not None}
+        qs = Message.objects.select_for_update().filter(status__in=allowed)
+        rows: list[Message] = []
+        if by_id:
+            rows += list(qs.filter(message_id__in=list(by_id)))
+        if by_pk:
+            rows += [r for r in qs.filter(pk__in=list(by_pk)) if r.message_id not in by_id]
+        result.skipped += len(group) - len(rows)
+        for row in rows:
+            change = by_id.get(row.message_id) or by_pk[row.pk]
+            previous = row.status
+            row.status = to
+            row.updated_at = now
+            for name, value in change.fields.items():
+                setattr(row, name, value)
+            transitions.append(Transition(
+                message=row, from_status=previous, to_status=to, at=now, reason=change.reason,
+                actor=change.actor, by=change.by,
+            ))
+            result.events += message_events(row, previous=previous, reason=change.reason)
+            result.messages.append(row)
+        if rows:
+            Message.objects.bulk_update(rows, ["status", "updated_at", *field_names])
+    Transition.objects.bulk_create(transitions)
+    return result
+
+
+def transition_first(message: Message, *, actor: str, reason: str = "", by: str = "") -> None:
+    """Record a new row's first status as a transition from nothing."""
+    Transition.objects.create(
+        message=message, from_status="", to_status=message.status, at=message.created_at,
+        reason=reason, actor=actor, by=by,
+    )

@@ -1,0 +1,19 @@
+"""Thin tasks: ids in, a service or the bridge does the work."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from messages import runtime
+
+
+@shared_task(name="messages.tasks.messages_publish", ignore_result=True, acks_late=True,
+             autoretry_for=(LookupError,), retry_backoff=True, max_retries=20)
+def messages_publish(pks: list[int]) -> int:
+    """Hand SENT rows to this worker's bridge; a worker without one (REACH_BRIDGE=0) lets
+    another take the task."""
+    bridge = runtime.current_bridge()
+    if bridge is None:
+        raise LookupError("no MQTT bridge runs in this worker")
+    bridge.submit(pks)
+    return len(pks)

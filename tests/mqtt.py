@@ -1,0 +1,66 @@
+"""A real MQTT broker for tests: Mosquitto when MQTT_URL names one (CI's second run), else
+the embedded broker on a free port. Each test gets its own topic prefix."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from urllib.parse import urlparse
+
+import paho.mqtt.client as mqtt
+import pytest
+from django.conf import settings
+
+from reachconsole.embedded_broker import EmbeddedBroker
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class BrokerInfo:
+    def __init__(self, url: str, protocol: str):
+        self.url = url
+        self.protocol = protocol
+        parsed = urlparse(url)
+        self.host, self.port = parsed.hostname, parsed.port or 1883
+
+    def client(self, client_id: str = "") -> mqtt.Client:
+        client = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
+            protocol=mqtt.MQTTv5 if self.protocol == "5" else mqtt.MQTTv311,
+        )
+        connected = threading.Event()
+        client.on_connect = lambda c, u, f, rc, p: connected.set()
+        client.connect(self.host, self.port)
+        client.loop_start()
+        assert connected.wait(10), f"could not connect to {self.url}"
+        return client
+
+
+@pytest.fixture(scope="session")
+def broker() -> Iterator[BrokerInfo]:
+    configured = settings.MQTT_URL
+    if configured:
+        yield BrokerInfo(configured, settings.MQTT_PROTOCOL)
+        return
+    embedded = EmbeddedBroker(port=free_port())
+    embedded.start()
+    try:
+        yield BrokerInfo(embedded.url, "3.1.1")
+    finally:
+        embedded.stop()
+
+
+@pytest.fixture
+def mqtt_settings(settings, broker):
+    """Point the console at the test broker with a topic prefix of this test's own."""
+    settings.MQTT_URL = broker.url
+    settings.MQTT_PROTOCOL = broker.protocol
+    settings.MQTT_TOPIC_PREFIX = f"t{uuid.uuid4().hex[:10]}"
+    settings.REACH_NODE_ID = "console"
+    return settings

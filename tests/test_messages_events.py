@@ -1,0 +1,141 @@
+"""Events leave after commit, keep their names, and reach the right groups and sockets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from asgiref.sync import async_to_sync, sync_to_async
+from channels.db import database_sync_to_async
+from channels.layers import get_channel_layer
+from channels.testing import WebsocketCommunicator
+from django.contrib.auth.models import User
+from django.db import transaction
+from django.test import Client
+
+from messages.events import (
+    EVENT_FAILED,
+    EVENT_MESSAGE,
+    SKILL_PROGRESS_GROUP,
+    TIMELINE_GROUP,
+    conversation_group,
+    publisher,
+)
+from messages.outbound import SendRequest, message_send
+from reachconsole.asgi import application
+
+pytestmark = pytest.mark.django_db(transaction=True)
+XSS = '<img src=x onerror="window.pwned=1">'
+
+
+@pytest.fixture
+def bound_loop():
+    yield
+    publisher.bind_loop(None)
+
+
+def run(coro_fn):
+    return async_to_sync(coro_fn)()
+
+
+async def _listen(*groups: str) -> str:
+    layer = get_channel_layer()
+    publisher.bind_loop(asyncio.get_running_loop())
+    channel = await layer.new_channel()
+    for group in groups:
+        await layer.group_add(group, channel)
+    return channel
+
+
+def test_events_leave_after_commit_and_never_on_rollback(bound_loop):
+    def send_and_roll_back():
+        with pytest.raises(RuntimeError), transaction.atomic():
+            message_send(request=SendRequest(to_agent_id="fin.gone", conversation_id="c-1"))
+            raise RuntimeError("rolled back")
+
+    def send():
+        return message_send(request=SendRequest(to_agent_id="fin.gone", conversation_id="c-1"))
+
+    async def scenario():
+        layer = get_channel_layer()
+        channel = await _listen(TIMELINE_GROUP, conversation_group("c-1"))
+        await sync_to_async(send_and_roll_back)()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(layer.receive(channel), 0.5)
+        row = await sync_to_async(send)()
+        frames = [await asyncio.wait_for(layer.receive(channel), 5) for _ in range(2)]
+        return row, frames
+
+    row, frames = run(scenario)
+    for frame in frames:  # one frame for the timeline, one for the conversation
+        assert frame["type"] == "a2a.events"
+        names = [e["event"] for e in frame["events"]]
+        # SENT, then UNDELIVERABLE with its failure twin, in one frame
+        assert names == [EVENT_MESSAGE, EVENT_MESSAGE, EVENT_FAILED]
+        assert frame["events"][-1]["messageId"] == row.message_id
+        assert frame["events"][-1]["status"] == "UNDELIVERABLE"
+        assert "no agent fin.gone" in frame["events"][-1]["error"]
+
+
+def test_an_event_without_a_scope_goes_to_skill_progress(bound_loop):
+    async def scenario():
+        layer = get_channel_layer()
+        channel = await _listen(SKILL_PROGRESS_GROUP)
+        await sync_to_async(message_send)(request=SendRequest(to_agent_id="fin.gone"))
+        return await asyncio.wait_for(layer.receive(channel), 5)
+
+    frame = run(scenario)
+    assert {e["event"] for e in frame["events"]} == {EVENT_MESSAGE, EVENT_FAILED}
+
+
+def _session_cookie(user: User) -> str:
+    client = Client()
+    client.force_login(user)
+    return client.cookies["sessionid"].value
+
+
+def test_the_timeline_socket_forwards_frames_with_event_names(bound_loop):
+    user = User.objects.create_user("ops", password="pw-ops-12345")
+    cookie = _session_cookie(user)
+
+    async def scenario():
+        publisher.bind_loop(asyncio.get_running_loop())
+        ws = WebsocketCommunicator(application, "/ws/timeline/", headers=[
+            (b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1"),
+            (b"cookie", f"sessionid={cookie}".encode()),
+        ])
+        connected, _ = await ws.connect()
+        assert connected
+        try:
+            await database_sync_to_async(message_send)(
+                request=SendRequest(to_agent_id="fin.gone", payload={"note": XSS}))
+            return await ws.receive_json_from(timeout=5)
+        finally:
+            await ws.disconnect()
+
+    frame = run(scenario)
+    assert [e["event"] for e in frame["events"]] == [EVENT_MESSAGE, EVENT_MESSAGE, EVENT_FAILED]
+    assert frame["events"][0]["status"] == "SENT"
+
+
+def test_the_socket_refuses_anonymous_users_and_foreign_origins():
+    user = User.objects.create_user("ops", password="pw-ops-12345")
+    cookie = _session_cookie(user)
+
+    async def attempt(headers):
+        ws = WebsocketCommunicator(application, "/ws/timeline/", headers=headers)
+        connected, code = await ws.connect()
+        await ws.disconnect()
+        return connected, code
+
+    async def anonymous_attempt():
+        return await attempt([(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1")])
+
+    async def foreign_attempt():
+        return await attempt([(b"origin", b"http://evil.example"), (b"host", b"127.0.0.1"),
+                              (b"cookie", f"sessionid={cookie}".encode())])
+
+    anonymous = run(anonymous_attempt)
+    foreign = run(foreign_attempt)
+    assert anonymous == (False, 4401)
+    assert foreign[0] is False
