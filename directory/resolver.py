@@ -1,21 +1,52 @@
 """Turns an addressee into one agent on one node, or says why not and what it considered.
 
-The only place that resolves addresses (ARCHITECTURE.md). Explicit beats implicit: an
-explicit node is never swapped for another, and a name the roster cannot place on a live node
-is a miss with its candidates, never a guess.
+The only place that resolves addresses (ARCHITECTURE.md). The order is the contract:
+
+1. explicit node: with `target_node_id` only agents on that node are considered; no match is
+   a miss, never a silent fall-back to another node;
+2. mention (`@资金日报`, `fin.tax`, `tax`): exact agent id → alias → capability segment →
+   substring;
+3. pid: process instance → definition → agent (database, then REACH_PID_LOOKUP_URL);
+4. scene id: scene binding → agent.
+
+Ties are broken deterministically (routable, the caller's namespace, remote before the
+console's own, least loaded, agent id) and every tied candidate is shown. "Not found" and
+"found but not deliverable" are different outcomes with different words.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
+from django.db import connection
+from django.db.models import Q
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
+from directory.models import (
+    ProcessDefinitionBinding,
+    ProcessInstance,
+    SceneBinding,
+    alias_normalize,
+)
 from roster.models import Agent
+from roster.services import roster_generation
+
+log = logging.getLogger(__name__)
 
 LOCAL_AGENTS = ("ops.probe",)  # handled inside the console, on REACH_NODE_ID
+MAX_CANDIDATES = 50
+
+NOT_FOUND = "not_found"
+NOT_DELIVERABLE = "not_deliverable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,10 +56,14 @@ class Candidate:
     status: str
     routable: bool
     why: str
+    namespace: str = ""
+    load: float = 0.0
+    chosen: bool = False
 
     def as_dict(self) -> dict:
         return {"agentId": self.agent_id, "nodeId": self.node_id, "status": self.status,
-                "routable": self.routable, "why": self.why}
+                "routable": self.routable, "why": self.why, "namespace": self.namespace,
+                "load": round(self.load, 3), "chosen": self.chosen}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,58 +74,313 @@ class Resolution:
     reason: str
     candidates: list[Candidate] = field(default_factory=list)
     local: bool = False
+    match: str | None = None  # how a mention matched: agent_id, alias, capability, substring
+    outcome: str = ""  # "" when resolved, else NOT_FOUND or NOT_DELIVERABLE
 
     @property
     def ok(self) -> bool:
         return self.node_id is not None
 
-
-def _candidate(agent: Agent, now: datetime) -> Candidate:
-    if agent.status == Agent.Status.DRAINING:
-        return Candidate(agent.agent_id, agent.node.node_id, agent.status, False,
-                         "draining: it takes no new work")
-    if agent.status == Agent.Status.OFFLINE or agent.lease_expires_at <= now:
-        return Candidate(agent.agent_id, agent.node.node_id, "OFFLINE", False,
-                         "its lease has lapsed")
-    return Candidate(agent.agent_id, agent.node.node_id, agent.status, True, "live")
+    def as_dict(self) -> dict:
+        return {"agentId": self.agent_id, "nodeId": self.node_id, "level": self.level,
+                "match": self.match, "reason": self.reason, "outcome": self.outcome or None,
+                "candidates": [c.as_dict() for c in self.candidates]}
 
 
 def is_local_agent(agent_id: str) -> bool:
     return agent_id in LOCAL_AGENTS
 
 
+def _stale_cutoff(now: datetime) -> datetime:
+    return now - timedelta(milliseconds=2 * settings.REACH_HEARTBEAT_MS)
+
+
+AGENT_FIELDS = ("agent_id", "segment", "status", "lease_expires_at", "last_heartbeat_at",
+                "registered_at", "inflight", "max_inflight", "node__node_id", "namespace__name")
+
+
+def agent_row(agent: Agent) -> dict:
+    """The fields the directory judges an agent by, from a model instance."""
+    return {"agent_id": agent.agent_id, "segment": agent.segment, "status": agent.status,
+            "lease_expires_at": agent.lease_expires_at,
+            "last_heartbeat_at": agent.last_heartbeat_at, "registered_at": agent.registered_at,
+            "inflight": agent.inflight, "max_inflight": agent.max_inflight,
+            "node__node_id": agent.node.node_id, "namespace__name": agent.namespace.name}
+
+
+def candidate_for(agent: Agent | dict, now: datetime) -> Candidate:
+    """Whether this agent can take new work now, and why not."""
+    row = agent_row(agent) if isinstance(agent, Agent) else agent
+    load = row["inflight"] / row["max_inflight"] if row["max_inflight"] else 1.0
+    common = {"namespace": row["namespace__name"], "load": load}
+    agent_id, node_id, status = row["agent_id"], row["node__node_id"], row["status"]
+    if status == Agent.Status.DRAINING:
+        return Candidate(agent_id, node_id, status, False, "draining: it takes no new work",
+                         **common)
+    if status == Agent.Status.OFFLINE or row["lease_expires_at"] <= now:
+        return Candidate(agent_id, node_id, "OFFLINE", False, "its lease has lapsed", **common)
+    if node_id == settings.REACH_NODE_ID and not is_local_agent(agent_id):
+        # Registered on the console's own node, which runs no consumer for it: work sent
+        # there would sit unread. A remote agent with the capability is the right answer.
+        return Candidate(agent_id, node_id, status, False,
+                         "on the console's own node, which has no consumer for it", **common)
+    seen = row["last_heartbeat_at"] or row["registered_at"]
+    if seen < _stale_cutoff(now):
+        return Candidate(agent_id, node_id, "STALE", False,
+                         f"stale: no heartbeat for {int((now - seen).total_seconds())} s",
+                         **common)
+    return Candidate(agent_id, node_id, status, True, "live", **common)
+
+
+def rank_key(candidate: Candidate, namespace: str | None) -> tuple:
+    """Routable first, then the caller's namespace, then remote before the console's own,
+    then the least loaded, then the id: the same order everywhere, so ties never flap."""
+    remote = candidate.node_id != settings.REACH_NODE_ID
+    return (not candidate.routable, candidate.namespace != (namespace or candidate.namespace),
+            not remote, candidate.load, candidate.agent_id)
+
+
+def _agents(q: Q) -> list[dict]:
+    # values(): the directory reads a few columns of many rows; no model instances needed.
+    return list(Agent.objects.filter(q).values(*AGENT_FIELDS)[:MAX_CANDIDATES])
+
+
+def _choose(agents: list[dict], *, level: str, match: str | None, namespace: str | None,
+            target_node_id: str | None, now: datetime, what: str) -> Resolution:
+    """Pick the best of the agents a level matched, or explain why none can take work."""
+    candidates = sorted((candidate_for(a, now) for a in agents),
+                        key=lambda c: rank_key(c, namespace))
+    if target_node_id:
+        # Explicit node: agents elsewhere are shown, never chosen.
+        candidates = [c if c.node_id == target_node_id else Candidate(
+            c.agent_id, c.node_id, c.status, False,
+            f"on {c.node_id}, not the explicit node {target_node_id}", c.namespace, c.load)
+            for c in candidates]
+        candidates.sort(key=lambda c: rank_key(c, namespace))
+    best = candidates[0]
+    if not best.routable:
+        on_node = [c for c in candidates if c.node_id == target_node_id] if target_node_id else []
+        if target_node_id and not on_node:
+            reason = (f"{what} matched no agent on node {target_node_id}; an explicit node is "
+                      "never swapped for another")
+            outcome = NOT_FOUND
+        else:
+            reason = f"{what} matched, but no match can take work now ({best.why})"
+            outcome = NOT_DELIVERABLE
+        return Resolution(None, None, level, reason, candidates, match=match, outcome=outcome)
+    best_rank = rank_key(best, namespace)[:3]
+    tied = [c for c in candidates if c.routable and rank_key(c, namespace)[:3] == best_rank]
+    chosen = Candidate(best.agent_id, best.node_id, best.status, True,
+                       "chosen" + (f" (tie of {len(tied)}: least loaded, then by id)"
+                                   if len(tied) > 1 else ""),
+                       best.namespace, best.load, chosen=True)
+    return Resolution(best.agent_id, best.node_id, level, f"{what} → {best.agent_id}",
+                      [chosen, *candidates[1:]], match=match)
+
+
+_ROW_SQL = (
+    "SELECT {level}, a.agent_id, a.segment, a.status, a.lease_expires_at, "
+    "a.last_heartbeat_at, a.registered_at, a.inflight, a.max_inflight, n.node_id, ns.name "
+    "FROM roster_agent a JOIN roster_clusternode n ON n.id = a.node_id "
+    "JOIN roster_namespace ns ON ns.id = a.namespace_id WHERE {where}"
+)
+# The first three levels of a mention in one round trip. Hand-written because it is the
+# directory's hot path: the ORM spends longer compiling these queries than the database
+# spends running them (bench/resolve.py).
+_MENTION_SQL = " UNION ALL ".join([  # noqa: S608 - fixed text; values are parameters
+    _ROW_SQL.format(level=1, where="a.agent_id = %s"),
+    _ROW_SQL.format(level=2, where="a.agent_id IN "
+                    "(SELECT agent_id FROM directory_alias WHERE alias = %s)"),
+    _ROW_SQL.format(level=3, where="a.segment = %s"),
+    # Aliases whatever their agent: one that points off the roster is its own answer.
+    "SELECT 4, agent_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL "
+    "FROM directory_alias WHERE alias = %s",
+]) + f" LIMIT {4 * MAX_CANDIDATES}"
+_COLUMNS = ("level", *AGENT_FIELDS)
+
+
+def _aware(value):
+    # SQLite hands back text or naive UTC; PostgreSQL aware datetimes.
+    if isinstance(value, str):
+        value = parse_datetime(value)
+    if value is not None and timezone.is_naive(value):
+        value = value.replace(tzinfo=UTC)
+    return value
+
+
+def _mention_rows(*, agent_id: str, text: str) -> list[dict]:
+    with connection.cursor() as cursor:
+        cursor.execute(_MENTION_SQL, [agent_id, text, text, text])
+        raw = cursor.fetchall()
+    rows = []
+    for values in raw:
+        row = dict(zip(_COLUMNS, values, strict=True))
+        if row["level"] != 4:
+            for key in ("lease_expires_at", "last_heartbeat_at", "registered_at"):
+                row[key] = _aware(row[key])
+        rows.append(row)
+    return rows
+
+
+def _by_mention(mention: str, *, namespace: str | None, target_node_id: str | None,
+                now: datetime) -> Resolution | None:
+    text = alias_normalize(mention)
+    if not text:
+        return None
+    level = "explicit" if target_node_id else "mention"
+    agent_id = text.replace("/", ".", 1)
+    rows = _mention_rows(agent_id=agent_id, text=text)
+    choose = {"level": level, "namespace": namespace, "target_node_id": target_node_id,
+              "now": now}
+    exact = [r for r in rows if r["level"] == 1]
+    if exact:
+        return _choose(exact, match="agent_id", what=f"agent id {agent_id}", **choose)
+    by_alias = [r for r in rows if r["level"] == 2]
+    if by_alias:
+        return _choose(by_alias, match="alias", what=f"alias @{text}", **choose)
+    dangling = [r["agent_id"] for r in rows if r["level"] == 4]
+    if dangling:
+        return Resolution(None, None, level,
+                          f"alias @{text} points to {', '.join(dangling)}, which is not on "
+                          "the roster", match="alias", outcome=NOT_FOUND)
+    by_segment = [r for r in rows if r["level"] == 3]
+    if by_segment:
+        return _choose(by_segment, match="capability", what=f"capability segment {text}",
+                       **choose)
+    if len(text) >= 3:
+        ids = agent_ids_containing(text)
+        fuzzy = _agents(Q(agent_id__in=ids)) if ids else []
+        if fuzzy:
+            return _choose(fuzzy, match="substring", what=f"substring {text!r}", **choose)
+    return None
+
+
+class _AgentIdIndex:
+    """Every agent id, kept in memory for the substring level: a LIKE '%x%' scan of the
+    whole table costs milliseconds, a search of one string of all ids microseconds.
+    Rebuilt when the roster's generation moves (any agent joining or leaving)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._version: tuple | None = None
+        self._ids = ""  # agent ids, one per line (ASCII by the id rules)
+        self._lowered = ""  # the same, lowercased: same length, same offsets
+
+    def containing(self, text: str) -> list[str]:
+        version = roster_generation()
+        with self._lock:
+            if version != self._version:
+                ids = "\n".join(Agent.objects.order_by().values_list("agent_id", flat=True))
+                self._ids, self._lowered, self._version = ids, ids.lower(), version
+            ids, lowered = self._ids, self._lowered
+        needle = text.lower()
+        found: list[str] = []
+        at = lowered.find(needle)
+        while at >= 0 and len(found) < MAX_CANDIDATES:
+            start = lowered.rfind("\n", 0, at) + 1
+            end = lowered.find("\n", at)
+            end = len(lowered) if end < 0 else end
+            found.append(ids[start:end])
+            at = lowered.find(needle, end)
+        return found
+
+
+_agent_ids = _AgentIdIndex()
+
+
+def agent_ids_containing(text: str) -> list[str]:
+    return _agent_ids.containing(text)
+
+
+def _pid_definition(pid: str) -> str | None:
+    row = ProcessInstance.objects.filter(pid=pid).values_list("definition_id", flat=True).first()
+    if row:
+        return row
+    url = settings.REACH_PID_LOOKUP_URL
+    if not url:
+        return None
+    query = urllib.parse.urlencode({"pid": pid})
+    try:
+        with urllib.request.urlopen(f"{url}?{query}", timeout=2) as response:  # noqa: S310
+            body = json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        log.warning("pid lookup %s failed for %s: %s", url, pid, exc)
+        return None
+    definition = body.get("definitionId") if isinstance(body, dict) else None
+    return definition if isinstance(definition, str) and definition else None
+
+
+def _by_binding(agent_id: str, *, level: str, what: str, namespace: str | None,
+                target_node_id: str | None, now: datetime) -> Resolution:
+    agents = _agents(Q(agent_id=agent_id))
+    if not agents:
+        return Resolution(None, None, level, f"{what} is bound to {agent_id}, which is not on "
+                          "the roster", outcome=NOT_FOUND)
+    return _choose(agents, level=level, match=None, namespace=namespace,
+                   target_node_id=target_node_id, now=now, what=what)
+
+
+def resolve(*, mention: str | None = None, target_node_id: str | None = None,
+            pid: str | None = None, scene_id: str | None = None, namespace: str | None = None,
+            now: datetime | None = None) -> Resolution:
+    now = now or timezone.now()
+    target_node_id = target_node_id or None
+    tried = []
+    if mention:
+        found = _by_mention(mention, namespace=namespace, target_node_id=target_node_id, now=now)
+        if found is not None:
+            return found
+        tried.append(f"mention {alias_normalize(mention)!r} matched no agent id, alias, "
+                     "capability segment or name")
+    if pid:
+        definition = _pid_definition(pid)
+        binding = (ProcessDefinitionBinding.objects.filter(definition_id=definition).first()
+                   if definition else None)
+        if binding:
+            return _by_binding(binding.agent_id, level="pid", namespace=namespace,
+                               what=f"pid {pid} (definition {definition})",
+                               target_node_id=target_node_id, now=now)
+        tried.append(f"pid {pid} has no process binding" if definition is None else
+                     f"definition {definition} of pid {pid} is bound to no agent")
+    if scene_id:
+        scene = SceneBinding.objects.filter(scene_id=scene_id).first()
+        if scene:
+            return _by_binding(scene.agent_id, level="scene", namespace=namespace,
+                               what=f"scene {scene_id}", target_node_id=target_node_id, now=now)
+        tried.append(f"scene {scene_id} has no binding")
+    if not tried:
+        return Resolution(None, None, None, "name a mention, a pid or a scene id to resolve",
+                          outcome=NOT_FOUND)
+    return Resolution(None, None, None, "; ".join(tried), outcome=NOT_FOUND)
+
+
 def resolve_agent_node(
     *, to_agent_id: str, target_node_id: str | None = None, now: datetime | None = None
 ) -> Resolution:
-    """The node that receives work for `to_agent_id`: the explicit node first, else the
-    roster's node for the agent; nothing else."""
+    """The node that receives work addressed to an exact agent id: the explicit node first,
+    else the roster's node for the agent; nothing else (no alias or fuzzy fall-back)."""
     now = now or timezone.now()
     local_node = settings.REACH_NODE_ID
     if is_local_agent(to_agent_id) and target_node_id in (None, "", local_node):
         return Resolution(to_agent_id, local_node, "local", "handled by the console", local=True)
-
-    agent = Agent.objects.select_related("node").filter(agent_id=to_agent_id).first()
-    if agent is None:
+    agents = _agents(Q(agent_id=to_agent_id))
+    if not agents:
+        return Resolution(None, None, None,
+                          f"no agent {to_agent_id} is on the roster; check the id or register "
+                          "the agent", outcome=NOT_FOUND)
+    candidate = candidate_for(agents[0], now)
+    node_id = candidate.node_id
+    if target_node_id and node_id != target_node_id:
         return Resolution(
-            None, None, None,
-            f"no agent {to_agent_id} is on the roster; check the id or register the agent",
+            None, None, "explicit",
+            f"node {target_node_id} does not host {to_agent_id}; the roster places it on "
+            f"{node_id}. An explicit node is never swapped for another: send "
+            f"to {node_id} or without targetNodeId",
+            [candidate], outcome=NOT_FOUND,
         )
-    candidate = _candidate(agent, now)
-    if target_node_id:
-        if agent.node.node_id != target_node_id:
-            return Resolution(
-                None, None, "explicit",
-                f"node {target_node_id} does not host {to_agent_id}; the roster places it on "
-                f"{agent.node.node_id}. An explicit node is never swapped for another: send "
-                f"to {agent.node.node_id} or without targetNodeId",
-                [candidate],
-            )
-        level = "explicit"
-    else:
-        level = "roster"
+    level = "explicit" if target_node_id else "roster"
     if not candidate.routable:
-        return Resolution(
-            None, None, level, f"{to_agent_id} on {agent.node.node_id} is {candidate.why}",
-            [candidate],
-        )
-    return Resolution(agent.agent_id, agent.node.node_id, level, "live", [candidate])
+        return Resolution(None, None, level,
+                          f"{to_agent_id} on {node_id} is {candidate.why}",
+                          [candidate], outcome=NOT_DELIVERABLE)
+    return Resolution(candidate.agent_id, node_id, level, "live", [candidate])

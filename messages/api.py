@@ -9,7 +9,7 @@ from django.http import HttpRequest
 from ninja import Field, Router, Schema, Status
 
 from messages.models import Message
-from messages.outbound import SendRefused, SendRequest, message_send
+from messages.outbound import SendRefused, SendRequest, message_send, messages_send_group
 from reachconsole.api import ApiError
 from roster.services import agent_id_parse
 
@@ -63,24 +63,38 @@ def message_out(row: Message) -> dict[str, Any]:
 
 @router.post("/send", response={200: dict, 202: dict, **ERRORS})
 def send(request: HttpRequest, body: SendIn):
-    if body.to.startswith(("capability:", "#")):
-        raise ApiError(422, "unsupported_target",
-                       "capability and group targets are not routed yet; name an agent "
-                       "(`namespace.name`)")
+    """`to`: an agent id, `@mention`, `capability:name` or `#group` (one row per member)."""
     if body.wait:
         raise ApiError(422, "unsupported_wait",
                        "waiting for the response is not available yet; send without `wait` "
                        "and read GET /api/a2a/messages/{messageId}")
-    ref = agent_id_parse(body.to)
-    request.auth.require_namespace(ref.namespace)
+    to = body.to.strip()
+    caller = request.auth
+    if body.from_agent_id:
+        caller.require_namespace(agent_id_parse(body.from_agent_id).namespace)
+    if to.startswith(("capability:", "#", "@")):
+        if caller.token.namespaces is not None and not body.from_agent_id:
+            raise ApiError(403, "namespace_forbidden",
+                           "a token bound to namespaces must name `from` (an agent of its "
+                           "namespaces) to route by capability, group or mention")
+    else:
+        caller.require_namespace(agent_id_parse(to).namespace)
+    send_request = SendRequest(
+        to=to, payload=body.payload, task_id=body.task_id, target_node_id=body.target_node_id,
+        from_agent_id=body.from_agent_id, timeout_ms=body.timeout_ms,
+        conversation_id=body.conversation_id, scene_group_id=body.scene_group_id,
+        session_id=body.session_id, idempotency_key=body.idempotency_key,
+    )
     try:
-        row = message_send(request=SendRequest(
-            to_agent_id=ref.agent_id, payload=body.payload, task_id=body.task_id,
-            target_node_id=body.target_node_id, from_agent_id=body.from_agent_id,
-            timeout_ms=body.timeout_ms, conversation_id=body.conversation_id,
-            scene_group_id=body.scene_group_id, session_id=body.session_id,
-            idempotency_key=body.idempotency_key,
-        ), actor="api", by=request.auth.label)
+        if to.startswith("#"):
+            rows = messages_send_group(group=to, request=send_request, by=caller.label)
+            fanned_out = rows[0].status != "UNDELIVERABLE"
+            out = {"taskId": rows[0].task_id,
+                   "status": "FANNED_OUT" if fanned_out else "UNDELIVERABLE",
+                   "messages": [message_out(r) for r in rows],
+                   "candidates": (rows[0].resolution or {}).get("candidates", [])}
+            return Status(202 if out["status"] == "FANNED_OUT" else 200, out)
+        row = message_send(request=send_request, actor="api", by=caller.label)
     except SendRefused as exc:
         raise ApiError(exc.status, exc.code, exc.detail) from None
     out = message_out(row)

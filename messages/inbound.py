@@ -27,7 +27,7 @@ from messages import protocol
 from messages.events import events_on_commit, message_events
 from messages.handlers import LOCAL_HANDLERS
 from messages.models import Direction, Message, Status
-from messages.outbound import reply_row
+from messages.outbound import message_reroute, reply_row
 from messages.state import Change, changes_apply, messages_insert_new
 from roster.services import heartbeat_record
 
@@ -141,10 +141,17 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
         applied = changes_apply(changes, now=now)
         events += applied.events
         counts["stale_answers"] += applied.skipped
+        for busy in applied.messages:
+            if busy.status == Status.BUSY and busy.direction == Direction.SEND:
+                rerouted = message_reroute(busy=busy, now=now)
+                if rerouted is not None:
+                    counts["rerouted_after_busy"] += 1
+                    events += message_events(rerouted, previous="")
+                    result.to_publish.append(rerouted.pk)
         sent = messages_insert_new(replies)
         for reply in sent:
             events += message_events(reply, previous="")
-        result.to_publish = [reply.pk for reply in sent]
+        result.to_publish += [reply.pk for reply in sent]
         events_on_commit(events)
     return result
 

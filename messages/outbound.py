@@ -7,19 +7,21 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Count
 from django.utils import timezone
 
-from directory.resolver import Resolution, resolve_agent_node
+from directory.resolver import Resolution, resolve, resolve_agent_node
+from directory.routing import group_members, isolation_refusal, namespace_of, route_capability
 from messages import protocol
 from messages.events import events_on_commit, message_events
 from messages.handlers import LOCAL_HANDLERS
-from messages.models import Direction, Message, Status, Transition
+from messages.models import INFLIGHT_STATUSES, Direction, Message, Status, Transition
 from messages.state import transition_first
 from roster.services import agent_id_parse
 
@@ -79,7 +81,7 @@ def undeliverable_reason(resolution: Resolution) -> str:
 
 @dataclass(frozen=True, slots=True)
 class SendRequest:
-    to_agent_id: str
+    to: str  # "ns.agent", "@mention", or "capability:name" (groups: messages_send_group)
     payload: Any = None
     task_id: str | None = None
     target_node_id: str | None = None
@@ -93,6 +95,36 @@ class SendRequest:
     resend_of: Message | None = None
 
 
+CAPABILITY_PREFIX = "capability:"
+
+
+def unacked_counts(agent_ids: list[str]) -> dict[str, int]:
+    """What the console has sent each agent and not yet seen acknowledged."""
+    rows = (Message.objects.filter(direction=Direction.SEND, to_agent_id__in=agent_ids,
+                                   status__in=list(INFLIGHT_STATUSES))
+            .values("to_agent_id").annotate(n=Count("id")))
+    return {row["to_agent_id"]: row["n"] for row in rows}
+
+
+def _resolve_target(request: SendRequest, now: datetime) -> tuple[str, Resolution]:
+    """(the agent id to record, the directory's answer) for one send."""
+    to = request.to.strip()
+    if to.startswith(CAPABILITY_PREFIX):
+        capability = to[len(CAPABILITY_PREFIX):].strip()
+        if not capability:
+            raise SendRefused("name the capability: `capability:web_search`")
+        resolution = route_capability(capability=capability, from_agent_id=request.from_agent_id,
+                                      unacked=unacked_counts, now=now)
+        return resolution.agent_id or to, resolution
+    if to.startswith("@"):
+        resolution = resolve(mention=to, target_node_id=request.target_node_id,
+                             namespace=namespace_of(request.from_agent_id), now=now)
+        return resolution.agent_id or to, resolution
+    agent_id = agent_id_parse(to).agent_id
+    return agent_id, resolve_agent_node(to_agent_id=agent_id,
+                                        target_node_id=request.target_node_id or None, now=now)
+
+
 def message_send(*, request: SendRequest, actor: str = "api", by: str = "",
                  now: datetime | None = None) -> Message:
     """Record a TASK_REQUEST and route it. Returns the row in its resulting status.
@@ -102,8 +134,26 @@ def message_send(*, request: SendRequest, actor: str = "api", by: str = "",
     SendRefused and writes nothing.
     """
     now = now or timezone.now()
-    ref = agent_id_parse(request.to_agent_id)
-    to_agent_id = ref.agent_id
+    to_agent_id, resolution = _resolve_target(request, now)
+    if resolution.ok:
+        refusal = isolation_refusal(from_agent_id=request.from_agent_id,
+                                    to_agent_id=resolution.agent_id)
+        if refusal:
+            raise SendRefused(refusal, code="namespace_isolation", status=403)
+    row = _request_row(request, to_agent_id=to_agent_id, now=now)
+    row.resolution = {
+        "target": request.to, "level": resolution.level, "match": resolution.match,
+        "reason": resolution.reason, "candidates": [c.as_dict() for c in resolution.candidates],
+    }
+    with transaction.atomic():
+        row.save(force_insert=True)
+        transition_first(row, actor=actor, by=by, reason=f"to {request.to}")
+        events = message_events(row, previous="") + _route(row, resolution, actor=actor, now=now)
+        events_on_commit(events)
+    return row
+
+
+def _request_row(request: SendRequest, *, to_agent_id: str, now: datetime) -> Message:
     node_id = settings.REACH_NODE_ID
     message_id = str(uuid.uuid4())
     task_id = request.task_id or f"task-{message_id}"
@@ -132,31 +182,100 @@ def message_send(*, request: SendRequest, actor: str = "api", by: str = "",
         raise SendRefused(str(exc), code="payload_too_large", status=413) from None
     except (TypeError, ValueError) as exc:
         raise SendRefused(f"the payload cannot be sent as JSON: {exc}") from None
+    return row
 
-    resolution = resolve_agent_node(
-        to_agent_id=to_agent_id, target_node_id=request.target_node_id or None, now=now
-    )
-    row.resolution = {
-        "level": resolution.level, "reason": resolution.reason,
-        "candidates": [c.as_dict() for c in resolution.candidates],
-    }
+
+def _route(row: Message, resolution: Resolution, *, actor: str, now: datetime) -> list[dict]:
+    """Move a fresh SENT row on: consumed here, undeliverable, or handed to the bridge."""
+    if resolution.local:
+        return _consume_locally(row, now=now, actor=actor)
+    if not resolution.ok:
+        reason = undeliverable_reason(resolution)
+        _warn_once(row.to_agent_id, resolution.reason)
+        return _move(row, Status.UNDELIVERABLE, reason=reason, actor=actor, now=now,
+                     error=reason, finished_at=now)
+    row.target_node_id = resolution.node_id
+    row.topic = protocol.inbox_topic(settings.MQTT_TOPIC_PREFIX, resolution.node_id)
+    row.save(update_fields=["target_node_id", "topic"])
+    transaction.on_commit(lambda: publish_request([row.pk]))
+    return []
+
+
+def messages_send_group(*, group: str, request: SendRequest, actor: str = "api", by: str = "",
+                        now: datetime | None = None) -> list[Message]:
+    """Fan a task out to every routable member of `#group`: one row per member, one task id,
+    so each member's delivery is tracked on its own."""
+    now = now or timezone.now()
+    members = group_members(group=group, from_agent_id=request.from_agent_id, now=now)
+    live = [m for m in members if m.routable]
+    task_id = request.task_id or f"task-{uuid.uuid4()}"
+    shared = {"target": f"#{group.lstrip('#')}", "level": "group",
+              "candidates": [m.as_dict() for m in members]}
+    if not live:
+        reason = (f"group #{group.lstrip('#')} has no member that can take work now"
+                  if members else f"group #{group.lstrip('#')} has no members you may reach")
+        resolution = Resolution(None, None, "group", reason, members, outcome="not_found")
+        row = _request_row(replace(request, task_id=task_id), to_agent_id=shared["target"],
+                           now=now)
+        row.resolution = {**shared, "reason": reason}
+        with transaction.atomic():
+            row.save(force_insert=True)
+            transition_first(row, actor=actor, by=by, reason=f"to {shared['target']}")
+            events_on_commit(message_events(row, previous="")
+                             + _route(row, resolution, actor=actor, now=now))
+        return [row]
+    rows = []
     with transaction.atomic():
-        row.save(force_insert=True)
-        transition_first(row, actor=actor, by=by, reason=f"to {to_agent_id}")
-        events = message_events(row, previous="")
-        if resolution.local:
-            events += _consume_locally(row, now=now, actor=actor)
-        elif not resolution.ok:
-            reason = undeliverable_reason(resolution)
-            events += _move(row, Status.UNDELIVERABLE, reason=reason, actor=actor, now=now,
-                            error=reason, finished_at=now)
-            _warn_once(to_agent_id, resolution.reason)
-        else:
-            row.target_node_id = resolution.node_id
-            row.topic = protocol.inbox_topic(settings.MQTT_TOPIC_PREFIX, resolution.node_id)
-            row.save(update_fields=["target_node_id", "topic"])
-            transaction.on_commit(lambda: publish_request([row.pk]))
+        events: list[dict] = []
+        for member in live:
+            row = _request_row(replace(request, task_id=task_id, to=member.agent_id),
+                               to_agent_id=member.agent_id, now=now)
+            # Each member executes its own copy: its own idempotency key within the task.
+            row.idempotency_key = row.headers["idempotencyKey"] = f"{task_id}:{member.agent_id}"
+            row.resolution = {**shared, "reason": f"member of {shared['target']}"}
+            row.save(force_insert=True)
+            transition_first(row, actor=actor, by=by, reason=f"to {shared['target']}")
+            member_resolution = Resolution(member.agent_id, member.node_id, "group", "member",
+                                           [member])
+            events += message_events(row, previous="") + _route(row, member_resolution,
+                                                                  actor=actor, now=now)
+            rows.append(row)
         events_on_commit(events)
+    return rows
+
+
+def message_reroute(*, busy: Message, now: datetime) -> Message | None:
+    """After a BUSY answer to a capability send: the same task to the next candidate.
+
+    A new transmission (new message id, same task id and idempotency key, attempt + 1,
+    linked to the busy one); None when no other agent can take it. Runs inside the caller's
+    transaction; the caller publishes the returned row after commit.
+    """
+    target = (busy.resolution or {}).get("target", "")
+    if not target.startswith(CAPABILITY_PREFIX):
+        return None
+    tried = set(Message.objects.filter(task_id=busy.task_id, direction=Direction.SEND)
+                .values_list("to_agent_id", flat=True))
+    resolution = route_capability(capability=target[len(CAPABILITY_PREFIX):],
+                                  from_agent_id=busy.from_agent_id, exclude=tried,
+                                  unacked=unacked_counts, now=now)
+    if not resolution.ok:
+        return None
+    request = SendRequest(
+        to=target, payload=busy.payload, task_id=busy.task_id,
+        from_agent_id=busy.from_agent_id, timeout_ms=busy.headers.get("timeoutMs"),
+        conversation_id=busy.conversation_id, scene_group_id=busy.scene_group_id,
+        session_id=busy.session_id, idempotency_key=busy.idempotency_key,
+        attempt=busy.attempt + 1, resend_of=busy,
+    )
+    row = _request_row(request, to_agent_id=resolution.agent_id, now=now)
+    row.resolution = {"target": target, "level": "capability", "match": "capability",
+                      "reason": f"re-routed after BUSY from {busy.to_agent_id}",
+                      "candidates": [c.as_dict() for c in resolution.candidates]}
+    row.target_node_id = resolution.node_id
+    row.topic = protocol.inbox_topic(settings.MQTT_TOPIC_PREFIX, resolution.node_id)
+    row.save(force_insert=True)
+    transition_first(row, actor="bridge", reason=f"re-routed after BUSY from {busy.to_agent_id}")
     return row
 
 

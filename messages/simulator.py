@@ -52,6 +52,7 @@ class Knobs:
     nack_rate: float = 0.0  # share of requests refused with NACK
     slow_ms: int = 50  # time to do a task
     kill_node_after: float | None = None  # the last node goes silent after this many seconds
+    busy_nodes: frozenset[str] = frozenset()  # nodes that answer every request BUSY
 
 
 def cluster_plan(*, nodes: int, agents: int, seed: int = 7) -> list[SimulatedNode]:
@@ -189,8 +190,7 @@ class SimulatedCluster:
     def heartbeat(self, node: SimulatedNode) -> None:
         agents = []
         for agent in node.agents:
-            agent.inflight = max(0, min(agent.max_inflight,
-                                        agent.inflight + self.rng.choice([-1, 0, 1])))
+            # The load reported is the real one: tasks this agent is working on right now.
             agents.append({"agentId": agent.agent_id, "inflight": agent.inflight,
                            "queueDepth": node.work.qsize(), "maxInflight": agent.max_inflight})
         env = protocol.new_envelope(
@@ -228,7 +228,7 @@ class SimulatedCluster:
             self._reply(node, env, MT.ACK, {"duplicate": True}, ackFor=env.message_id)
             return
         roll = self.rng.random()
-        if roll < self.knobs.busy_rate:
+        if node.node_id in self.knobs.busy_nodes or roll < self.knobs.busy_rate:
             with node.lock:
                 node.seen_keys.pop(key, None)  # not accepted: a later try may run it
             self._reply(node, env, MT.BUSY, {}, ackFor=env.message_id)
@@ -238,10 +238,14 @@ class SimulatedCluster:
                         ackFor=env.message_id)
             return
         self._reply(node, env, MT.ACK, {}, ackFor=env.message_id)
+        agent = next(a for a in node.agents if a.agent_id == env.to_agent_id)
         with node.lock:
             node.executions[key] += 1
+            agent.inflight += 1
         if self.knobs.slow_ms:
             time.sleep(self.knobs.slow_ms / 1000)
+        with node.lock:
+            agent.inflight -= 1
         if self.rng.random() < self.knobs.fail_rate:
             payload = {"ok": False, "error": "simulated failure"}
         else:

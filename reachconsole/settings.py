@@ -99,6 +99,12 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
     }
     # A file, not shared-cache memory: tests run threads that write concurrently.
     _db["TEST"] = {"NAME": str(RUN_DIR / "test-reachconsole.sqlite3")}
+elif _db["ENGINE"] == "django.db.backends.postgresql" and env_bool("REACH_PG_PREPARED", True):
+    # Server-side binding lets psycopg prepare statements a connection runs often: the
+    # directory's and the bridge's queries are planned once, not on every call (planning
+    # was most of resolve()'s time, bench/resolve.py). Turn off behind PgBouncer in
+    # transaction mode, which cannot keep prepared statements.
+    _db.setdefault("OPTIONS", {}).update(server_side_binding=True, prepare_threshold=5)
 DATABASES = {"default": _db}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -164,6 +170,7 @@ if REACH_HEARTBEAT_MS >= REACH_LEASE_TTL_MS:
         f"({REACH_LEASE_TTL_MS}), or every lease lapses between two heartbeats"
     )
 REACH_LEASE_SWEEP_S = env_float("REACH_LEASE_SWEEP_S", 1.0, minimum=0.1)
+REACH_PID_LOOKUP_URL = env_str("REACH_PID_LOOKUP_URL") or None
 REACH_MAX_METADATA_BYTES = env_int("REACH_MAX_METADATA_BYTES", 16 * 1024, minimum=256)
 
 # Only one beat may run; every periodic task also guards its claims, so two are harmless.

@@ -5,7 +5,9 @@ from roster.models import Agent, ClusterNode, Namespace, RosterEvent
 
 @admin.register(Namespace)
 class NamespaceAdmin(admin.ModelAdmin):
-    list_display = ["name", "description", "created_at"]
+    list_display = ["name", "description", "open_to_other_namespaces", "created_at"]
+    list_filter = ["open_to_other_namespaces"]
+    list_editable = ["open_to_other_namespaces"]
     search_fields = ["name", "description"]
 
 
@@ -30,7 +32,7 @@ class AgentAdmin(admin.ModelAdmin):
     # Lease, status and load belong to the roster's services (leases, drain, heartbeats):
     # the admin shows them but does not write them behind those services' backs.
     readonly_fields = [
-        "agent_id", "namespace", "name", "node", "status", "lease_expires_at",
+        "agent_id", "namespace", "name", "segment", "node", "status", "lease_expires_at",
         "last_heartbeat_at", "drained_at", "expired_at", "inflight", "queue_depth",
         "registered_at", "updated_at",
     ]

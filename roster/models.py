@@ -17,6 +17,11 @@ NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 class Namespace(models.Model):
     name = models.CharField(max_length=64, unique=True)
     description = models.TextField(blank=True)
+    open_to_other_namespaces = models.BooleanField(
+        default=False,
+        help_text="Agents of other namespaces may send to this namespace's agents, and "
+        "capability routing may pick them",
+    )
     created_at = models.DateTimeField(default=timezone.now, editable=False)
 
     class Meta:
@@ -62,6 +67,9 @@ class Agent(models.Model):
     namespace = models.ForeignKey(Namespace, on_delete=models.PROTECT, related_name="agents")
     name = models.CharField(max_length=200)
     agent_id = models.CharField(max_length=265, unique=True)
+    # The capability segment (last segment of the name), stored by agent_register so the
+    # directory can look it up by index.
+    segment = models.CharField(max_length=64, db_index=True, default="")
     node = models.ForeignKey(ClusterNode, on_delete=models.PROTECT, related_name="agents")
     version = models.CharField(max_length=64, blank=True)
     endpoint = models.CharField(max_length=500, blank=True)

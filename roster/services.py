@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.core.cache import cache
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
@@ -135,6 +137,30 @@ def _node_get_or_create(node_id: str, url: str = "") -> ClusterNode:
     return node
 
 
+ROSTER_GENERATION_KEY = "roster-generation"
+
+
+def roster_generation() -> str:
+    """Changes whenever an agent joins or leaves the roster: readers that keep a copy of the
+    set of agent ids (the directory's substring index) compare it instead of counting rows."""
+    generation = cache.get(ROSTER_GENERATION_KEY)
+    if generation is None:
+        generation = uuid.uuid4().hex
+        if not cache.add(ROSTER_GENERATION_KEY, generation, timeout=None):
+            generation = cache.get(ROSTER_GENERATION_KEY) or generation
+    return generation
+
+
+def _roster_changed() -> None:
+    # Now, for readers in this transaction, and again after commit, for everyone else: a
+    # reader that copied the set between the two copies it again.
+    def bump() -> None:
+        cache.set(ROSTER_GENERATION_KEY, uuid.uuid4().hex, timeout=None)
+
+    bump()
+    transaction.on_commit(bump)
+
+
 def agent_register(
     *,
     agent_id: Any,
@@ -191,6 +217,7 @@ def agent_register(
             if agent is None:
                 agent = Agent.objects.create(
                     namespace=namespace, name=ref.name, agent_id=ref.agent_id, node=node,
+                    segment=ref.name.rsplit(".", 1)[-1],
                     status=Agent.Status.ONLINE, registered_at=now, last_heartbeat_at=now,
                     **fields,
                 )
@@ -198,6 +225,7 @@ def agent_register(
                     agent_id=agent.agent_id, node_id=node_id, kind=Event.Kind.REGISTERED,
                     actor=actor, at=now,
                 )
+                _roster_changed()
                 return _lease(agent, created=True)
 
             kind = Event.Kind.REGISTERED
@@ -336,6 +364,7 @@ def agent_deregister(*, agent_id: str, actor: str = "", now: datetime | None = N
         agent = _agent_for_update(agent_id)
         node_id = agent.node.node_id
         agent.delete()
+        _roster_changed()
         Event.objects.create(
             agent_id=agent.agent_id, node_id=node_id, kind=Event.Kind.DEREGISTERED,
             actor=actor, at=now,
@@ -377,6 +406,8 @@ def leases_expire(*, now: datetime | None = None, batch: int = 5000) -> ExpiryCo
             id__in=[row[0] for row in draining], status=Agent.Status.DRAINING,
             lease_expires_at__lt=now,
         ).delete()
+        if removed:
+            _roster_changed()
         events = [
             Event(agent_id=row[1], node_id=row[3], kind=Event.Kind.EXPIRED, actor="sweeper",
                   at=now)

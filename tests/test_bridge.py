@@ -73,7 +73,7 @@ def test_a_task_round_trips_to_a_simulated_node_and_back(bridge, cluster):
                what="the simulated node's MQTT heartbeat")
     assert Agent.objects.get(agent_id=agent_id).last_heartbeat_at is not None
 
-    row = message_send(request=SendRequest(to_agent_id=agent_id, payload={"q": "hello"}))
+    row = message_send(request=SendRequest(to=agent_id, payload={"q": "hello"}))
     assert row.status == Status.SENT
     done = eventually(
         lambda: Message.objects.filter(pk=row.pk, status=Status.COMPLETED).first(),
@@ -185,3 +185,41 @@ def test_a_killed_bridge_loses_nothing(mqtt_settings, broker, tmp_path):
             except subprocess.TimeoutExpired:
                 proc.kill()
         log.close()
+
+
+def test_a_busy_answer_reroutes_a_capability_send(bridge, live_server, mqtt_settings):
+    """Two nodes offer `tax`; node a answers BUSY to everything. Every task still completes,
+    on node c, and a BUSY send is followed by a new attempt linked to it."""
+    sim = SimulatedCluster(
+        base_url=live_server.url, token=TOKEN, mqtt_url=settings.MQTT_URL, nodes=3, agents=15,
+        prefix=settings.MQTT_TOPIC_PREFIX, mqtt_protocol=settings.MQTT_PROTOCOL,
+        knobs=Knobs(rate=0, slow_ms=0, busy_nodes=frozenset({"sim-node-a"})), heartbeat_ms=200,
+    )
+    busy_node, good_node = sim.nodes[0], sim.nodes[2]
+    assert busy_node.hosts("fin.tax") and good_node.hosts("fin.tax-2")
+    sim.start()
+    try:
+        eventually(lambda: Agent.objects.filter(agent_id__in=["fin.tax", "fin.tax-2"],
+                                                last_heartbeat_at__isnull=False).count() == 2,
+                   what="both nodes heartbeating")
+        rerouted = 0
+        for n in range(4):
+            row = message_send(request=SendRequest(to="capability:tax", from_agent_id="fin.me",
+                                                   payload={"n": n}))
+            assert row.status == Status.SENT
+            eventually(lambda row=row: Message.objects.filter(
+                task_id=row.task_id, status=Status.COMPLETED).exists(),
+                what=f"task {n} completing")
+            busy = Message.objects.filter(task_id=row.task_id, status=Status.BUSY)
+            for b in busy:
+                retry = Message.objects.get(resend_of=b)
+                assert (retry.attempt, retry.to_agent_id) == (b.attempt + 1, "fin.tax-2")
+                assert retry.idempotency_key == b.idempotency_key
+                rerouted += 1
+            if rerouted and n >= 1:
+                break
+        assert rerouted >= 1
+        assert sum(busy_node.executions.values()) == 0
+        assert all(count == 1 for count in good_node.executions.values())
+    finally:
+        sim.stop()

@@ -50,11 +50,11 @@ async def _listen(*groups: str) -> str:
 def test_events_leave_after_commit_and_never_on_rollback(bound_loop):
     def send_and_roll_back():
         with pytest.raises(RuntimeError), transaction.atomic():
-            message_send(request=SendRequest(to_agent_id="fin.gone", conversation_id="c-1"))
+            message_send(request=SendRequest(to="fin.gone", conversation_id="c-1"))
             raise RuntimeError("rolled back")
 
     def send():
-        return message_send(request=SendRequest(to_agent_id="fin.gone", conversation_id="c-1"))
+        return message_send(request=SendRequest(to="fin.gone", conversation_id="c-1"))
 
     async def scenario():
         layer = get_channel_layer()
@@ -81,7 +81,7 @@ def test_an_event_without_a_scope_goes_to_skill_progress(bound_loop):
     async def scenario():
         layer = get_channel_layer()
         channel = await _listen(SKILL_PROGRESS_GROUP)
-        await sync_to_async(message_send)(request=SendRequest(to_agent_id="fin.gone"))
+        await sync_to_async(message_send)(request=SendRequest(to="fin.gone"))
         return await asyncio.wait_for(layer.receive(channel), 5)
 
     frame = run(scenario)
@@ -108,7 +108,7 @@ def test_the_timeline_socket_forwards_frames_with_event_names(bound_loop):
         assert connected
         try:
             await database_sync_to_async(message_send)(
-                request=SendRequest(to_agent_id="fin.gone", payload={"note": XSS}))
+                request=SendRequest(to="fin.gone", payload={"note": XSS}))
             return await ws.receive_json_from(timeout=5)
         finally:
             await ws.disconnect()

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.django_db
 
 
 def send(to: str, **kwargs) -> Message:
-    return message_send(request=SendRequest(to_agent_id=to, **kwargs))
+    return message_send(request=SendRequest(to=to, **kwargs))
 
 
 def test_a_send_to_a_live_agent_waits_for_the_bridge_as_sent(settings):
@@ -94,7 +94,8 @@ def test_the_api_answers_undeliverable_with_candidates(api):
     body = r.json()
     assert body["status"] == "UNDELIVERABLE"
     assert body["candidates"] == [{"agentId": "fin.tax", "nodeId": "node-b", "status": "ONLINE",
-                                   "routable": True, "why": "live"}]
+                                   "routable": True, "why": "live", "namespace": "fin",
+                                   "load": 0.0, "chosen": False}]
 
 
 @pytest.mark.parametrize(
@@ -102,7 +103,7 @@ def test_the_api_answers_undeliverable_with_candidates(api):
     [
         ({"payload": {}}, 422, "invalid_request"),
         ({"to": "not an agent"}, 422, "invalid_agent_id"),
-        ({"to": "capability:web_search"}, 422, "unsupported_target"),
+        ({"to": "capability:"}, 422, "send_refused"),
         ({"to": "fin.tax", "timeoutMs": -5}, 422, "invalid_request"),
     ],
 )

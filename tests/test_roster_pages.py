@@ -146,8 +146,8 @@ def test_the_admin_edits_namespaces_and_aliases(admin_client):
     assert r.status_code == 302, r.content.decode()[:500]
     from directory.models import Alias
 
-    assert Alias.objects.get().alias == "@资金日报"
+    assert Alias.objects.get().alias == "资金日报"  # the @ is not part of the alias
     listing = admin_client.get("/admin/directory/alias/", {"q": "资金"}).content.decode()
-    assert "@资金日报" in listing
+    assert "资金日报" in listing
     assert admin_client.get("/admin/roster/agent/", {"q": "fin"}).status_code == 200
     assert admin_client.get("/admin/roster/clusternode/").status_code == 200
