@@ -381,6 +381,6 @@ def resolve_agent_node(
     level = "explicit" if target_node_id else "roster"
     if not candidate.routable:
         return Resolution(None, None, level,
-                          f"{to_agent_id} on {node_id} is {candidate.why}",
+                          f"{to_agent_id} on {node_id} cannot take work: {candidate.why}",
                           [candidate], outcome=NOT_DELIVERABLE)
     return Resolution(candidate.agent_id, node_id, level, "live", [candidate])

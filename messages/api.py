@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from datetime import datetime
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.http import HttpRequest
 from ninja import Field, Router, Schema, Status
 
 from messages.models import Message
-from messages.outbound import SendRefused, SendRequest, message_send, messages_send_group
+from messages.outbound import (
+    SendRefused,
+    SendRequest,
+    message_resend,
+    message_send,
+    messages_send_group,
+)
 from reachconsole.api import ApiError
+from reachconsole.models import audit_record
 from roster.services import agent_id_parse
 
 router = Router(tags=["a2a"])
@@ -61,15 +71,33 @@ def message_out(row: Message) -> dict[str, Any]:
     }
 
 
+WAIT_MARGIN_MS = 500
+TIMEOUT_WORDS = ("the response did not arrive in time; the task may have been accepted — "
+                 "query GET /api/a2a/messages/{id} later")
+
+
 @router.post("/send", response={200: dict, 202: dict, **ERRORS})
-def send(request: HttpRequest, body: SendIn):
-    """`to`: an agent id, `@mention`, `capability:name` or `#group` (one row per member)."""
-    if body.wait:
-        raise ApiError(422, "unsupported_wait",
-                       "waiting for the response is not available yet; send without `wait` "
-                       "and read GET /api/a2a/messages/{messageId}")
+async def send(request: HttpRequest, body: SendIn):
+    """`to`: an agent id, `@mention`, `capability:name` or `#group` (one row per member).
+    With `wait`, answers with the TASK_RESPONSE, or 202 when it does not come in time."""
+    status, out = await sync_to_async(_send)(request.auth, body)
+    if not body.wait or out.get("status") != "SENT":
+        return Status(status, out)
+    # Waiting holds no transaction and no thread: short reads between asyncio sleeps.
+    deadline = time.monotonic() + ((body.timeout_ms or 30000) + WAIT_MARGIN_MS) / 1000
+    pause = 0.02
+    while time.monotonic() < deadline:
+        await asyncio.sleep(pause)
+        pause = min(pause * 1.5, 0.25)
+        outcome = await sync_to_async(_task_outcome)(out["taskId"])
+        if outcome is not None:
+            return Status(200, outcome)
+    out["detail"] = TIMEOUT_WORDS.replace("{id}", out["messageId"])
+    return Status(202, out)
+
+
+def _send(caller, body: SendIn) -> tuple[int, dict]:
     to = body.to.strip()
-    caller = request.auth
     if body.from_agent_id:
         caller.require_namespace(agent_id_parse(body.from_agent_id).namespace)
     if to.startswith(("capability:", "#", "@")):
@@ -79,6 +107,9 @@ def send(request: HttpRequest, body: SendIn):
                            "namespaces) to route by capability, group or mention")
     else:
         caller.require_namespace(agent_id_parse(to).namespace)
+    if body.wait and to.startswith("#"):
+        raise ApiError(422, "invalid_request", "`wait` takes one response: send to an agent, "
+                       "a mention or a capability, not a group")
     send_request = SendRequest(
         to=to, payload=body.payload, task_id=body.task_id, target_node_id=body.target_node_id,
         from_agent_id=body.from_agent_id, timeout_ms=body.timeout_ms,
@@ -93,13 +124,35 @@ def send(request: HttpRequest, body: SendIn):
                    "status": "FANNED_OUT" if fanned_out else "UNDELIVERABLE",
                    "messages": [message_out(r) for r in rows],
                    "candidates": (rows[0].resolution or {}).get("candidates", [])}
-            return Status(202 if out["status"] == "FANNED_OUT" else 200, out)
+            return (202 if fanned_out else 200), out
         row = message_send(request=send_request, actor="api", by=caller.label)
     except SendRefused as exc:
         raise ApiError(exc.status, exc.code, exc.detail) from None
     out = message_out(row)
     out["candidates"] = (row.resolution or {}).get("candidates", [])
-    return Status(202 if row.status == "SENT" else 200, out)
+    return (202 if row.status == "SENT" else 200), out
+
+
+FINAL = {"COMPLETED", "TASK_ERROR", "UNDELIVERABLE", "FAILED", "NACKED", "EXPIRED", "BUSY"}
+
+
+def _task_outcome(task_id: str) -> dict | None:
+    """The task's answer once it has one: its response, or how its last attempt ended."""
+    attempts = list(Message.objects.filter(task_id=task_id, direction="SEND",
+                                           message_type="TASK_REQUEST")
+                    .select_related("resend_of").order_by("created_at", "id"))
+    answered = [m for m in attempts if m.status in ("COMPLETED", "TASK_ERROR")]
+    if answered:
+        row = answered[-1]
+        out = message_out(row)
+        response = Message.objects.filter(in_reply_to=row.message_id,
+                                          message_type="TASK_RESPONSE").first()
+        out["response"] = response.payload if response else None
+        return out
+    last = attempts[-1] if attempts else None
+    if last is not None and last.status in FINAL:
+        return message_out(last)
+    return None
 
 
 @router.get("/messages/{message_id}", response={200: dict, **ERRORS})
@@ -133,3 +186,35 @@ def message_detail(request: HttpRequest, message_id: str):
         for m in Message.objects.filter(in_reply_to=row.message_id).order_by("created_at", "id")
     ]
     return Status(200, out)
+
+
+class ResendIn(Schema):
+    new_idempotency_key: bool = Field(False, alias="newIdempotencyKey")
+
+
+@router.post("/messages/{message_id}/resend", response={202: dict, 200: dict, **ERRORS})
+def resend(request: HttpRequest, message_id: str, body: ResendIn | None = None):
+    """A new transmission of the same task (same task id; the same idempotency key unless
+    `newIdempotencyKey`, which asks the receiver to run the work again)."""
+    body = body or ResendIn()
+    previous = Message.objects.filter(message_id=message_id).first()
+    if previous is not None:
+        namespace = previous.to_agent_id.split(".", 1)[0] if "." in previous.to_agent_id else ""
+        if namespace:
+            request.auth.require_namespace(namespace)
+    try:
+        row = message_resend(message_id=message_id, by=request.auth.label,
+                             new_idempotency_key=body.new_idempotency_key)
+    except SendRefused as exc:
+        audit_record(actor=request.auth.label, action="resend", target=message_id,
+                     result="refused", detail=exc.detail)
+        raise ApiError(exc.status, exc.code, exc.detail) from None
+    audit_record(actor=request.auth.label, action="resend", target=message_id,
+                 detail=f"as {row.message_id} ({row.status})"
+                 + ("; new idempotency key: the work may run again" if
+                    body.new_idempotency_key else ""))
+    out = message_out(row)
+    if body.new_idempotency_key:
+        out["warning"] = ("sent with a new idempotency key: the receiver will run the work "
+                          "again even if it already ran it")
+    return Status(202 if row.status == "SENT" else 200, out)

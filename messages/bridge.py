@@ -34,6 +34,7 @@ from paho.mqtt.properties import Properties
 
 from directory.resolver import LOCAL_AGENTS
 from messages import protocol, runtime
+from messages.delivery import ack_deadline
 from messages.events import events_on_commit
 from messages.inbound import Incoming, messages_ingest
 from messages.models import Direction, Message, Status
@@ -378,9 +379,11 @@ class Bridge:
                                       actor="bridge", reason=reason,
                                       fields={"error": reason, "finished_at": now}))
             else:
+                # The receiver's time to acknowledge runs from when the broker took it.
+                fields = {"published_at": now, "ack_deadline_at": ack_deadline(now)}
                 changes.append(Change(pk=pk, to=Status.PUBLISHED,
                                       allowed=frozenset({Status.SENT}), actor="bridge",
-                                      reason="PUBACK", fields={"published_at": now}))
+                                      reason="PUBACK", fields=fields))
         self._apply(changes, now=now)
         # An ACK may have overtaken the PUBACK: keep the time the broker took it anyway.
         taken = [c.pk for c in changes if c.to == Status.PUBLISHED]

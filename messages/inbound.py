@@ -17,16 +17,18 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from messages import protocol
+from messages.delivery import held_release, retry_or_give_up
 from messages.events import events_on_commit, message_events
 from messages.handlers import LOCAL_HANDLERS
-from messages.models import Direction, Message, Status
+from messages.idempotency import idempotency_claim, idempotency_release
+from messages.models import INFLIGHT_STATUSES, Direction, Message, Status
 from messages.outbound import message_reroute, reply_row
 from messages.state import Change, changes_apply, messages_insert_new
 from roster.services import heartbeat_record
@@ -35,8 +37,11 @@ log = logging.getLogger(__name__)
 MT = protocol.MessageType
 
 # Where an acknowledgement or response may move a row from.
-ACKABLE = frozenset({Status.SENT, Status.PUBLISHED, Status.OBSERVED})
-ANSWERABLE = frozenset({Status.SENT, Status.PUBLISHED, Status.ACKED, Status.OBSERVED})
+# An ACK also stops a retry that was only scheduled; a response completes any attempt, even
+# one that already gave up waiting: the work was done, and the record says so.
+ACKABLE = frozenset({Status.SENT, Status.PUBLISHED, Status.OBSERVED, Status.RETRYING})
+ANSWERABLE = frozenset({Status.SENT, Status.PUBLISHED, Status.ACKED, Status.OBSERVED,
+                        Status.RETRYING, Status.RETRIED, Status.EXPIRED})
 _last_logged: dict[str, float] = {}
 
 
@@ -117,10 +122,23 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
         direction = Direction.RECV if match.node_id == node_id else Direction.OBSERVED
         rows.append(_row(env, topic=item.topic, direction=direction, now=now))
 
+    claims: list[tuple[str, str]] = []
+    try:
+        _ingest_rows(rows, heartbeats, node_id=node_id, now=now, result=result, claims=claims)
+    except BaseException:
+        idempotency_release(node_id=node_id, claims=claims)
+        raise
+    return result
+
+
+def _ingest_rows(rows: list[Message], heartbeats: list[tuple[str, protocol.Envelope]], *,
+                 node_id: str, now: datetime, result: IngestResult,
+                 claims: list[tuple[str, str]]) -> None:
+    counts = result.counts
     with transaction.atomic():
         for hb_node, env in heartbeats:
             _heartbeat(hb_node, env, now=now, counts=counts)
-        duplicates, rows = _split_duplicates(rows, now=now)
+        duplicates, rows = _split_duplicates(rows, node_id=node_id, claims=claims)
         fresh = messages_insert_new(rows)
         counts["duplicate_message_id"] += len(rows) - len(fresh)
         counts["stored"] += len(fresh)
@@ -138,22 +156,45 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
                 replies.append(ack)
         for row in fresh:
             _act(row, changes=changes, replies=replies, now=now)
+        _retry_retryable_nacks(changes, now=now)
         applied = changes_apply(changes, now=now)
         events += applied.events
         counts["stale_answers"] += applied.skipped
         for busy in applied.messages:
             if busy.status == Status.BUSY and busy.direction == Direction.SEND:
-                rerouted = message_reroute(busy=busy, now=now)
+                rerouted, publish, more = message_reroute(busy=busy, now=now)
                 if rerouted is not None:
                     counts["rerouted_after_busy"] += 1
-                    events += message_events(rerouted, previous="")
-                    result.to_publish.append(rerouted.pk)
+                    events += more
+                    result.to_publish += publish
+        freed = {m.to_agent_id for m in applied.messages
+                 if m.direction == Direction.SEND and m.status not in INFLIGHT_STATUSES}
+        if freed:
+            publish, undeliverable = held_release(agent_ids=freed, now=now)
+            result.to_publish += publish
+            events += changes_apply(undeliverable, now=now).events
         sent = messages_insert_new(replies)
         for reply in sent:
             events += message_events(reply, previous="")
         result.to_publish += [reply.pk for reply in sent]
         events_on_commit(events)
-    return result
+
+
+def _retry_retryable_nacks(changes: list[Change], *, now: datetime) -> None:
+    """A retryable NACK schedules the next attempt (RETRYING) instead of ending the send,
+    while attempts and the task's time remain."""
+    retryable = {c.message_id: c for c in changes if c.retryable}
+    if not retryable:
+        return
+    for row in Message.objects.filter(message_id__in=list(retryable), direction=Direction.SEND):
+        status, fields, why = retry_or_give_up(row, now=now)
+        change = retryable[row.message_id]
+        if status:
+            change.to = status
+            change.fields = {"error": change.fields["error"], **fields}
+            change.reason = f"{change.reason}; {why}"
+        else:
+            change.reason = f"{change.reason}; no retry: {why}"
 
 
 def _heartbeat(node_id: str, env: protocol.Envelope, *, now: datetime, counts: Counter) -> None:
@@ -168,36 +209,19 @@ def _heartbeat(node_id: str, env: protocol.Envelope, *, now: datetime, counts: C
     counts["heartbeat_conflicts"] += len(outcome.conflicts)
 
 
-def _split_duplicates(rows: list[Message], *, now: datetime) -> tuple[list[Message], list[Message]]:
-    """TASK_REQUESTs to this node whose idempotency key was already received in the window.
-
-    Checked against the table (the authority) and within the batch; only requests to this
-    node, since it is the executor that must not run the same work twice.
-    """
-    requests = [
-        r for r in rows if r.direction == Direction.RECV and r.message_type == MT.TASK_REQUEST
-    ]
-    if not requests:
-        return [], rows
-    window = now - timedelta(seconds=settings.REACH_IDEMPOTENCY_TTL_S)
-    seen = set(
-        Message.objects.filter(
-            direction=Direction.RECV, message_type=MT.TASK_REQUEST, created_at__gte=window,
-            idempotency_key__in=[r.idempotency_key for r in requests],
-        ).exclude(message_id__in=[r.message_id for r in requests])
-        .values_list("idempotency_key", flat=True)
-    )
-    request_ids = {id(r) for r in requests}
-    first_with_key: dict[str, str] = {key: "" for key in seen}
+def _split_duplicates(rows: list[Message], *, node_id: str,
+                      claims: list[tuple[str, str]]) -> tuple[list[Message], list[Message]]:
+    """TASK_REQUESTs to this node whose work another transmission already claimed in the
+    idempotency window (messages/idempotency.py). Keys claimed here are added to `claims`
+    so the caller can give them back if the batch does not commit."""
     duplicates, keep = [], []
     for row in rows:
-        if id(row) in request_ids:
-            holder = first_with_key.setdefault(row.idempotency_key, row.message_id)
-            # The same transmission twice is a message-id duplicate (the insert drops it);
-            # another transmission of the same work is an idempotency duplicate.
-            if holder != row.message_id:
+        if row.direction == Direction.RECV and row.message_type == MT.TASK_REQUEST:
+            if not idempotency_claim(node_id=node_id, key=row.idempotency_key,
+                                     message_id=row.message_id):
                 duplicates.append(row)
                 continue
+            claims.append((row.idempotency_key, row.message_id))
         keep.append(row)
     return duplicates, keep
 
@@ -213,11 +237,13 @@ def _act(row: Message, *, changes: list[Change], replies: list[Message], now: da
                               actor="bridge", fields={"acked_at": now}))
     elif kind == MT.NACK and ack_for:
         reason = str(payload.get("reason") or "refused by the receiver")[:2000]
-        retry = "retryable" if payload.get("retryable") else "not retryable"
-        changes.append(Change(message_id=ack_for, to=Status.NACKED, allowed=ACKABLE,
-                              reason=f"NACK ({retry}): {reason}", actor="bridge",
-                              fields={"error": f"{row.from_agent_id or 'the receiver'} refused "
-                                      f"it ({retry}): {reason}", "finished_at": now}))
+        retry = "retryable" if payload.get("retryable") is True else "not retryable"
+        error = f"{row.from_agent_id or 'the receiver'} refused it ({retry}): {reason}"
+        nacked = Change(message_id=ack_for, to=Status.NACKED, allowed=ACKABLE,
+                        reason=f"NACK ({retry}): {reason}", actor="bridge",
+                        fields={"error": error, "finished_at": now})
+        nacked.retryable = retry == "retryable"
+        changes.append(nacked)
     elif kind == MT.BUSY and ack_for:
         changes.append(Change(message_id=ack_for, to=Status.BUSY, allowed=ACKABLE,
                               reason="BUSY: the receiver's queue is full", actor="bridge",

@@ -24,6 +24,8 @@ class Status(models.TextChoices):
     UNDELIVERABLE = "UNDELIVERABLE", "no node could be resolved; not published"
     FAILED = "FAILED", "publishing failed"
     EXPIRED = "EXPIRED", "no acknowledgement in time"
+    RETRYING = "RETRYING", "no answer; a new attempt is due"
+    RETRIED = "RETRIED", "closed: a new attempt replaced it"
     RECV = "RECV", "received"
     OBSERVED = "OBSERVED", "observed on the bus"
 
@@ -33,6 +35,11 @@ FAILURE_STATUSES = frozenset(
 )
 # A send is still "in flight" while the receiver has not answered it.
 INFLIGHT_STATUSES = frozenset({Status.SENT, Status.PUBLISHED})
+# What an operator may send again.
+RESENDABLE_STATUSES = frozenset(
+    {Status.UNDELIVERABLE, Status.FAILED, Status.NACKED, Status.EXPIRED, Status.TASK_ERROR,
+     Status.BUSY}
+)
 
 
 class Message(models.Model):
@@ -68,7 +75,14 @@ class Message(models.Model):
     published_at = models.DateTimeField(null=True, blank=True)
     acked_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # The task's own deadline (timeoutMs): no attempt is made past it.
     deadline_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    # By when the receiver must acknowledge this transmission before it is tried again.
+    ack_deadline_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    # When the next attempt of a RETRYING row is due.
+    next_attempt_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    # Kept back because its agent already has maxInflight unacknowledged messages.
+    held = models.BooleanField(default=False)
     updated_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -79,6 +93,8 @@ class Message(models.Model):
             models.Index(fields=["status", "created_at"], name="a2a_status_created"),
             models.Index(fields=["to_agent_id", "created_at"], name="a2a_to_agent_created"),
             models.Index(fields=["from_agent_id", "created_at"], name="a2a_from_agent_created"),
+            models.Index(fields=["to_agent_id", "held", "status"], name="a2a_agent_held_status"),
+            models.Index(fields=["task_id", "created_at"], name="a2a_task_created"),
         ]
         permissions = [("resend_message", "Can resend a message from the console")]
 

@@ -19,10 +19,25 @@ from django.utils import timezone
 from directory.resolver import Resolution, resolve, resolve_agent_node
 from directory.routing import group_members, isolation_refusal, namespace_of, route_capability
 from messages import protocol
+from messages.delivery import (
+    Capacities,
+    ack_deadline,
+    busy_reason,
+    capacities_lock,
+    storm_refusal,
+    transmissions_in_window,
+)
 from messages.events import events_on_commit, message_events
 from messages.handlers import LOCAL_HANDLERS
-from messages.models import INFLIGHT_STATUSES, Direction, Message, Status, Transition
-from messages.state import transition_first
+from messages.models import (
+    INFLIGHT_STATUSES,
+    RESENDABLE_STATUSES,
+    Direction,
+    Message,
+    Status,
+    Transition,
+)
+from reachconsole.metrics import counters_add
 from roster.services import agent_id_parse
 
 log = logging.getLogger(__name__)
@@ -129,12 +144,56 @@ def message_send(*, request: SendRequest, actor: str = "api", by: str = "",
                  now: datetime | None = None) -> Message:
     """Record a TASK_REQUEST and route it. Returns the row in its resulting status.
 
-    SENT (handed to the bridge after commit), LOCAL_CONSUMED, or UNDELIVERABLE with the
-    reason and the candidates considered. Input the console cannot send at all raises
-    SendRefused and writes nothing.
+    SENT (handed to the bridge after commit, or held behind the agent's maxInflight),
+    LOCAL_CONSUMED, BUSY (too many held), or UNDELIVERABLE with the reason and the
+    candidates considered. Input the console cannot send at all raises SendRefused and
+    writes nothing.
     """
+    return messages_send(requests=[request], actor=actor, by=by, now=now).rows[0]
+
+
+@dataclass
+class Sent:
+    rows: list[Message]
+    refused: list[tuple[SendRequest, SendRefused]]
+
+
+def messages_send(*, requests: list[SendRequest], actor: str = "api", by: str = "",
+                  now: datetime | None = None, skip_refused: bool = False) -> Sent:
+    """Send many tasks in one transaction (a bulk resend, a burst). A request the console
+    refuses (isolation, retry-storm guard, bad payload) raises, or with `skip_refused` is
+    left out and reported."""
     now = now or timezone.now()
-    to_agent_id, resolution = _resolve_target(request, now)
+    prepared: list[tuple[Message, Resolution]] = []
+    refused: list[tuple[SendRequest, SendRefused]] = []
+    resolved: dict[tuple, tuple[str, Resolution]] = {}
+    for request in requests:
+        try:
+            key = (request.to, request.target_node_id, request.from_agent_id)
+            if key not in resolved:
+                resolved[key] = _resolve_target(request, now)
+            to_agent_id, resolution = resolved[key]
+            prepared.append((_prepared_row(request, to_agent_id, resolution, now), resolution))
+        except SendRefused as exc:
+            if not skip_refused:
+                raise
+            refused.append((request, exc))
+    prepared, storm = _storm_guard(prepared, now=now)
+    for row, exc in storm:
+        counters_add({"storm_refused": 1})
+        if not skip_refused:
+            raise exc
+        refused.append((SendRequest(to=row.to_agent_id, task_id=row.task_id), exc))
+    with transaction.atomic():
+        rows, publish, events = _send_prepared(prepared, actor=actor, by=by, now=now)
+        events_on_commit(events)
+        if publish:
+            transaction.on_commit(lambda: publish_request(publish))
+    return Sent(rows=rows, refused=refused)
+
+
+def _prepared_row(request: SendRequest, to_agent_id: str, resolution: Resolution,
+                  now: datetime) -> Message:
     if resolution.ok:
         refusal = isolation_refusal(from_agent_id=request.from_agent_id,
                                     to_agent_id=resolution.agent_id)
@@ -145,12 +204,43 @@ def message_send(*, request: SendRequest, actor: str = "api", by: str = "",
         "target": request.to, "level": resolution.level, "match": resolution.match,
         "reason": resolution.reason, "candidates": [c.as_dict() for c in resolution.candidates],
     }
-    with transaction.atomic():
-        row.save(force_insert=True)
-        transition_first(row, actor=actor, by=by, reason=f"to {request.to}")
-        events = message_events(row, previous="") + _route(row, resolution, actor=actor, now=now)
-        events_on_commit(events)
     return row
+
+
+def _storm_guard(prepared: list[tuple[Message, Resolution]], *, now: datetime):
+    """Split off the rows the retry-storm guard refuses (counting this batch too)."""
+    routed = [(row, res) for row, res in prepared if res.ok and not res.local]
+    counts = transmissions_in_window({(row.task_id, res.agent_id) for row, res in routed},
+                                     now=now)
+    keep, refused = [], []
+    for row, res in prepared:
+        if res.ok and not res.local:
+            pair = (row.task_id, res.agent_id)
+            refusal = storm_refusal(row.task_id, res.agent_id, counts[pair])
+            if refusal:
+                refused.append((row, SendRefused(refusal, code="retry_storm", status=429)))
+                continue
+            counts[pair] += 1
+        keep.append((row, res))
+    return keep, refused
+
+
+def _send_prepared(prepared: list[tuple[Message, Resolution]], *, actor: str, by: str,
+                   now: datetime) -> tuple[list[Message], list[int], list[dict]]:
+    """Write the rows and move each on. Runs in the caller's transaction; returns the rows,
+    the primary keys to publish after commit, and the events."""
+    capacities = capacities_lock(res.agent_id for _, res in prepared if res.ok and not res.local)
+    rows, publish, events, firsts = [], [], [], []
+    for row, resolution in prepared:
+        row.save(force_insert=True)
+        firsts.append(Transition(message=row, from_status="", to_status=row.status,
+                                 at=row.created_at, reason=f"to {row.resolution['target']}",
+                                 actor=actor, by=by))
+        events += message_events(row, previous="")
+        events += _dispatch(row, resolution, capacities, actor=actor, now=now, publish=publish)
+        rows.append(row)
+    Transition.objects.bulk_create(firsts)
+    return rows, publish, events
 
 
 def _request_row(request: SendRequest, *, to_agent_id: str, now: datetime) -> Message:
@@ -185,8 +275,9 @@ def _request_row(request: SendRequest, *, to_agent_id: str, now: datetime) -> Me
     return row
 
 
-def _route(row: Message, resolution: Resolution, *, actor: str, now: datetime) -> list[dict]:
-    """Move a fresh SENT row on: consumed here, undeliverable, or handed to the bridge."""
+def _dispatch(row: Message, resolution: Resolution, capacities: Capacities, *, actor: str,
+              now: datetime, publish: list[int]) -> list[dict]:
+    """Move a fresh SENT row on: consumed here, undeliverable, BUSY, held, or published."""
     if resolution.local:
         return _consume_locally(row, now=now, actor=actor)
     if not resolution.ok:
@@ -196,8 +287,17 @@ def _route(row: Message, resolution: Resolution, *, actor: str, now: datetime) -
                      error=reason, finished_at=now)
     row.target_node_id = resolution.node_id
     row.topic = protocol.inbox_topic(settings.MQTT_TOPIC_PREFIX, resolution.node_id)
-    row.save(update_fields=["target_node_id", "topic"])
-    transaction.on_commit(lambda: publish_request([row.pk]))
+    decision = capacities.decide(row.to_agent_id)
+    if decision == "busy":
+        reason = busy_reason(row.to_agent_id)
+        return _move(row, Status.BUSY, reason=reason, actor=actor, now=now, error=reason,
+                     finished_at=now, target_node_id=row.target_node_id, topic=row.topic)
+    if decision == "hold":
+        row.held = True
+    else:
+        row.ack_deadline_at = ack_deadline(now)
+        publish.append(row.pk)
+    row.save(update_fields=["target_node_id", "topic", "held", "ack_deadline_at"])
     return []
 
 
@@ -206,77 +306,91 @@ def messages_send_group(*, group: str, request: SendRequest, actor: str = "api",
     """Fan a task out to every routable member of `#group`: one row per member, one task id,
     so each member's delivery is tracked on its own."""
     now = now or timezone.now()
-    members = group_members(group=group, from_agent_id=request.from_agent_id, now=now)
+    label = f"#{group.lstrip('#')}"
+    members = group_members(group=label, from_agent_id=request.from_agent_id, now=now)
     live = [m for m in members if m.routable]
     task_id = request.task_id or f"task-{uuid.uuid4()}"
-    shared = {"target": f"#{group.lstrip('#')}", "level": "group",
-              "candidates": [m.as_dict() for m in members]}
+    candidates = [m.as_dict() for m in members]
+    prepared = []
     if not live:
-        reason = (f"group #{group.lstrip('#')} has no member that can take work now"
-                  if members else f"group #{group.lstrip('#')} has no members you may reach")
-        resolution = Resolution(None, None, "group", reason, members, outcome="not_found")
-        row = _request_row(replace(request, task_id=task_id), to_agent_id=shared["target"],
-                           now=now)
-        row.resolution = {**shared, "reason": reason}
-        with transaction.atomic():
-            row.save(force_insert=True)
-            transition_first(row, actor=actor, by=by, reason=f"to {shared['target']}")
-            events_on_commit(message_events(row, previous="")
-                             + _route(row, resolution, actor=actor, now=now))
-        return [row]
-    rows = []
+        reason = (f"group {label} has no member that can take work now" if members
+                  else f"group {label} has no members you may reach")
+        row = _request_row(replace(request, task_id=task_id), to_agent_id=label, now=now)
+        row.resolution = {"target": label, "level": "group", "reason": reason,
+                          "candidates": candidates}
+        prepared.append((row, Resolution(None, None, "group", reason, members,
+                                         outcome="not_found")))
+    for member in live:
+        # Each member executes its own copy: its own idempotency key within the task.
+        row = _request_row(replace(request, task_id=task_id,
+                                   idempotency_key=f"{task_id}:{member.agent_id}"),
+                           to_agent_id=member.agent_id, now=now)
+        row.resolution = {"target": label, "level": "group", "reason": f"member of {label}",
+                          "candidates": candidates}
+        prepared.append((row, Resolution(member.agent_id, member.node_id, "group", "member",
+                                         [member])))
+    prepared, storm = _storm_guard(prepared, now=now)
+    if storm:
+        raise storm[0][1]
     with transaction.atomic():
-        events: list[dict] = []
-        for member in live:
-            row = _request_row(replace(request, task_id=task_id, to=member.agent_id),
-                               to_agent_id=member.agent_id, now=now)
-            # Each member executes its own copy: its own idempotency key within the task.
-            row.idempotency_key = row.headers["idempotencyKey"] = f"{task_id}:{member.agent_id}"
-            row.resolution = {**shared, "reason": f"member of {shared['target']}"}
-            row.save(force_insert=True)
-            transition_first(row, actor=actor, by=by, reason=f"to {shared['target']}")
-            member_resolution = Resolution(member.agent_id, member.node_id, "group", "member",
-                                           [member])
-            events += message_events(row, previous="") + _route(row, member_resolution,
-                                                                  actor=actor, now=now)
-            rows.append(row)
+        rows, publish, events = _send_prepared(prepared, actor=actor, by=by, now=now)
         events_on_commit(events)
+        if publish:
+            transaction.on_commit(lambda: publish_request(publish))
     return rows
 
 
-def message_reroute(*, busy: Message, now: datetime) -> Message | None:
-    """After a BUSY answer to a capability send: the same task to the next candidate.
+def message_next_attempt(
+    *, previous: Message, now: datetime, actor: str = "sweeper", exclude_agent: bool = False
+) -> tuple[Message | None, list[int], list[dict], str]:
+    """A new transmission of `previous`'s task: new message id, same task id and
+    idempotency key, attempt + 1, linked to it, resolved afresh by the directory (for a
+    capability, without the agents already tried when `exclude_agent`).
 
-    A new transmission (new message id, same task id and idempotency key, attempt + 1,
-    linked to the busy one); None when no other agent can take it. Runs inside the caller's
-    transaction; the caller publishes the returned row after commit.
+    Runs inside the caller's transaction. Returns (the row or None, pks to publish after
+    commit, events, why not).
     """
+    target = _target_of(previous)
+    request = _request_again(previous, attempt=previous.attempt + 1,
+                             idempotency_key=previous.idempotency_key)
+    if target.startswith(CAPABILITY_PREFIX) and exclude_agent:
+        tried = set(Message.objects.filter(task_id=previous.task_id, direction=Direction.SEND)
+                    .values_list("to_agent_id", flat=True))
+        resolution = route_capability(capability=target[len(CAPABILITY_PREFIX):],
+                                      from_agent_id=previous.from_agent_id, exclude=tried,
+                                      unacked=unacked_counts, now=now)
+        to_agent_id = resolution.agent_id or target
+    elif target.startswith("#"):
+        # A group member's retry goes to the same member.
+        resolution = resolve_agent_node(to_agent_id=previous.to_agent_id, now=now)
+        to_agent_id = previous.to_agent_id
+    else:
+        to_agent_id, resolution = _resolve_target(request, now)
+    if not resolution.ok:
+        return None, [], [], resolution.reason
+    try:
+        row = _prepared_row(request, to_agent_id, resolution, now)
+    except SendRefused as exc:
+        return None, [], [], exc.detail
+    row.deadline_at = previous.deadline_at  # the task's deadline, not a new one
+    row.resolution["target"] = target
+    kept, storm = _storm_guard([(row, resolution)], now=now)
+    if storm:
+        counters_add({"storm_refused": 1})
+        return None, [], [], storm[0][1].detail
+    rows, publish, events = _send_prepared(kept, actor=actor, by="", now=now)
+    return rows[0], publish, events, ""
+
+
+def message_reroute(*, busy: Message, now: datetime) -> tuple[Message | None, list[int],
+                                                             list[dict]]:
+    """After a BUSY answer to a capability send: the same task to the next candidate."""
     target = (busy.resolution or {}).get("target", "")
     if not target.startswith(CAPABILITY_PREFIX):
-        return None
-    tried = set(Message.objects.filter(task_id=busy.task_id, direction=Direction.SEND)
-                .values_list("to_agent_id", flat=True))
-    resolution = route_capability(capability=target[len(CAPABILITY_PREFIX):],
-                                  from_agent_id=busy.from_agent_id, exclude=tried,
-                                  unacked=unacked_counts, now=now)
-    if not resolution.ok:
-        return None
-    request = SendRequest(
-        to=target, payload=busy.payload, task_id=busy.task_id,
-        from_agent_id=busy.from_agent_id, timeout_ms=busy.headers.get("timeoutMs"),
-        conversation_id=busy.conversation_id, scene_group_id=busy.scene_group_id,
-        session_id=busy.session_id, idempotency_key=busy.idempotency_key,
-        attempt=busy.attempt + 1, resend_of=busy,
-    )
-    row = _request_row(request, to_agent_id=resolution.agent_id, now=now)
-    row.resolution = {"target": target, "level": "capability", "match": "capability",
-                      "reason": f"re-routed after BUSY from {busy.to_agent_id}",
-                      "candidates": [c.as_dict() for c in resolution.candidates]}
-    row.target_node_id = resolution.node_id
-    row.topic = protocol.inbox_topic(settings.MQTT_TOPIC_PREFIX, resolution.node_id)
-    row.save(force_insert=True)
-    transition_first(row, actor="bridge", reason=f"re-routed after BUSY from {busy.to_agent_id}")
-    return row
+        return None, [], []
+    row, publish, events, _ = message_next_attempt(previous=busy, now=now, actor="bridge",
+                                                   exclude_agent=True)
+    return row, publish, events
 
 
 def _move(row: Message, to: str, *, reason: str, actor: str, now: datetime,
@@ -351,3 +465,44 @@ def publish_request(pks: list[int]) -> None:
 
 def payload_text(message: Message) -> str:
     return json.dumps(message.payload, ensure_ascii=False, indent=2)
+
+
+def message_resend(*, message_id: str, by: str, new_idempotency_key: bool = False,
+                   now: datetime | None = None) -> Message:
+    """An operator's new transmission of a failed send's task: new message id, the same task
+    id, the same idempotency key (receivers de-duplicate it) unless a re-execution is asked
+    for, resolved afresh by the directory, linked with resend_of, under the storm guard."""
+    previous = (Message.objects.filter(message_id=message_id, direction=Direction.SEND,
+                                       message_type=protocol.MessageType.TASK_REQUEST).first())
+    if previous is None:
+        raise SendRefused(f"no sent task request {message_id[:200]} is recorded",
+                          code="message_not_found", status=404)
+    if previous.status not in RESENDABLE_STATUSES:
+        allowed = ", ".join(sorted(RESENDABLE_STATUSES))
+        raise SendRefused(f"{message_id} is {previous.status}; only {allowed} messages are "
+                          "resent (the others are still under way or done)",
+                          code="not_resendable", status=409)
+    key = f"{previous.task_id}:re-{uuid.uuid4().hex[:8]}" if new_idempotency_key else (
+        previous.idempotency_key)
+    request = _request_again(previous, attempt=1, idempotency_key=key)
+    if request.to.startswith("#"):  # one member of a group: that member again
+        request = replace(request, to=previous.to_agent_id)
+    return message_send(request=request, actor="operator", by=by, now=now)
+
+
+def _target_of(message: Message) -> str:
+    return (message.resolution or {}).get("target") or message.to_agent_id
+
+
+def _request_again(previous: Message, *, attempt: int, idempotency_key: str) -> SendRequest:
+    """The same task as `previous`, to the same target (an explicit node stays explicit;
+    anything else is resolved afresh), linked to it."""
+    explicit = (previous.resolution or {}).get("level") == "explicit"
+    return SendRequest(
+        to=_target_of(previous), payload=previous.payload, task_id=previous.task_id,
+        target_node_id=previous.target_node_id if explicit else None,
+        from_agent_id=previous.from_agent_id, timeout_ms=previous.headers.get("timeoutMs"),
+        conversation_id=previous.conversation_id, scene_group_id=previous.scene_group_id,
+        session_id=previous.session_id, idempotency_key=idempotency_key, attempt=attempt,
+        resend_of=previous,
+    )

@@ -76,6 +76,7 @@ class Change:
     pk: int | None = None
     fields: dict[str, Any] = field(default_factory=dict)
     by: str = ""
+    retryable: bool = False  # a NACK that allows another attempt
 
 
 @dataclass

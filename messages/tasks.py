@@ -17,3 +17,12 @@ def messages_publish(pks: list[int]) -> int:
         raise LookupError("no MQTT bridge runs in this worker")
     bridge.submit(pks)
     return len(pks)
+
+
+@shared_task(name="messages.tasks.deliveries_sweep", ignore_result=True)
+def deliveries_sweep() -> dict[str, int]:
+    from messages.sweeps import deliveries_sweep as sweep
+
+    result = sweep()
+    return {"retrying": result.retrying, "given_up": result.given_up,
+            "attempts": result.attempts, "released": result.released}

@@ -148,6 +148,19 @@ MQTT_TOPIC_PREFIX = env_str("MQTT_TOPIC_PREFIX", "ooder")
 REACH_EMBEDDED_MQTT_PORT = env_int("REACH_EMBEDDED_MQTT_PORT", 1883, minimum=1)
 REACH_NODE_ID = env_str("REACH_NODE_ID", "console")
 REACH_IDEMPOTENCY_TTL_S = env_int("REACH_IDEMPOTENCY_TTL_S", 3600, minimum=1)
+# Retries (PROTOCOL.md "Outbound state machine").
+REACH_RETRY_MAX_ATTEMPTS = env_int("REACH_RETRY_MAX_ATTEMPTS", 5, minimum=1)
+REACH_RETRY_BASE_MS = env_int("REACH_RETRY_BASE_MS", 100, minimum=1)
+REACH_RETRY_MAX_MS = env_int("REACH_RETRY_MAX_MS", 2000, minimum=1)
+REACH_RETRY_MULTIPLIER = env_float("REACH_RETRY_MULTIPLIER", 2.0, minimum=1.0)
+REACH_RETRY_JITTER = env_float("REACH_RETRY_JITTER", 0.2, minimum=0.0)
+REACH_ACK_TIMEOUT_MS = env_int("REACH_ACK_TIMEOUT_MS", 3000, minimum=50)
+REACH_RETRY_SWEEP_S = env_float("REACH_RETRY_SWEEP_S", 0.5, minimum=0.05)
+# The retry-storm guard: transmissions of one task id per window, across the console.
+REACH_TASK_MAX_SENDS = env_int("REACH_TASK_MAX_SENDS", 5, minimum=1)
+REACH_TASK_WINDOW_S = env_int("REACH_TASK_WINDOW_S", 60, minimum=1)
+# Backpressure: messages held for one agent before sends to it answer BUSY at once.
+REACH_QUEUE_LIMIT = env_int("REACH_QUEUE_LIMIT", 1000, minimum=1)
 REACH_MONITOR = env_bool("REACH_MONITOR", True)
 # MQTT 5 (session expiry) against real brokers; the embedded broker speaks 3.1.1 only.
 MQTT_PROTOCOL = env_str("MQTT_PROTOCOL", "5")
@@ -177,6 +190,8 @@ REACH_MAX_METADATA_BYTES = env_int("REACH_MAX_METADATA_BYTES", 16 * 1024, minimu
 CELERY_BEAT_SCHEDULE = {
     "leases-expire": {"task": "roster.tasks.leases_expire", "schedule": REACH_LEASE_SWEEP_S},
     "nodes-sweep": {"task": "roster.tasks.nodes_sweep", "schedule": max(REACH_LEASE_SWEEP_S, 2)},
+    "deliveries-sweep": {"task": "messages.tasks.deliveries_sweep",
+                         "schedule": REACH_RETRY_SWEEP_S},
 }
 
 # --- northbound API auth ------------------------------------------------------------------

@@ -10,6 +10,7 @@ from django.utils import timezone
 from ninja import Field, Query, Router, Schema, Status
 
 from reachconsole.api import ApiError
+from reachconsole.models import audit_record
 from roster import services
 from roster.errors import AgentNotFound
 from roster.models import Agent
@@ -195,6 +196,7 @@ def heartbeat(request: HttpRequest, agent_id: str, body: HeartbeatIn | None = No
 def drain(request: HttpRequest, agent_id: str):
     agent = _existing_agent(request, agent_id)
     agent = services.agent_drain(agent_id=agent.agent_id, actor=request.auth.label)
+    audit_record(actor=request.auth.label, action="drain", target=agent.agent_id)
     agent.refresh_from_db()
     return Status(200, _agent_out(agent, timezone.now()))
 
@@ -203,6 +205,8 @@ def drain(request: HttpRequest, agent_id: str):
 def deregister(request: HttpRequest, agent_id: str):
     agent = _existing_agent(request, agent_id)
     node_id = services.agent_deregister(agent_id=agent.agent_id, actor=request.auth.label)
+    audit_record(actor=request.auth.label, action="deregister", target=agent.agent_id,
+                 detail=f"from {node_id}")
     return Status(200, {"agent_id": agent.agent_id, "node_id": node_id})
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 
@@ -32,10 +33,12 @@ def ingest(*items: tuple[str, bytes]):
 
 def request(to: str = "ops.probe", *, key: str | None = None, reply: str = "node-b",
             message_id: str | None = None) -> protocol.Envelope:
+    # A fresh key per call unless one is given: the idempotency window outlives a test.
+    key = key or f"t-{uuid.uuid4().hex}"
     return protocol.new_envelope(
         message_type=MT.TASK_REQUEST, from_agent_id="fin.tax", to_agent_id=to,
-        target_node_id=NODE, task_id=key or "t-1", message_id=message_id,
-        headers={"replyNodeId": reply, "originNodeId": reply, "idempotencyKey": key or "t-1"},
+        target_node_id=NODE, task_id=key, message_id=message_id,
+        headers={"replyNodeId": reply, "originNodeId": reply, "idempotencyKey": key},
         payload={"q": 1},
     )
 
@@ -148,8 +151,9 @@ def test_a_local_request_is_consumed_once_and_answered():
 
 
 def test_a_repeated_idempotency_key_is_acked_as_duplicate_not_run():
-    ingest((inbox(), wire(request("ops.probe", key="job-7"))))
-    retry = request("ops.probe", key="job-7")  # a new transmission of the same work
+    key = f"job-{uuid.uuid4().hex}"
+    ingest((inbox(), wire(request("ops.probe", key=key))))
+    retry = request("ops.probe", key=key)  # a new transmission of the same work
     result = ingest((inbox(), wire(retry)))
     assert result.counts["duplicate_idempotency_key"] == 1
     assert not Message.objects.filter(message_id=retry.message_id).exists()

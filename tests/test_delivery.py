@@ -1,0 +1,270 @@
+"""Reliable delivery: backoff, bounded attempts, the storm guard, backpressure, resend."""
+
+from __future__ import annotations
+
+import random
+import threading
+import uuid
+from datetime import timedelta
+
+import pytest
+from django.conf import settings
+from django.db import close_old_connections, connection, transaction
+
+from messages import protocol
+from messages.delivery import retry_delay_ms
+from messages.idempotency import idempotency_claim
+from messages.inbound import Incoming, messages_ingest
+from messages.models import Direction, Message, Status
+from messages.outbound import SendRefused, SendRequest, message_resend, message_send
+from messages.state import Change, changes_apply
+from messages.sweeps import deliveries_sweep
+from reachconsole.models import AuditEntry
+from roster import services
+from tests.conftest import register
+
+pytestmark = pytest.mark.django_db
+MT = protocol.MessageType
+
+
+def publish(row: Message, when) -> None:
+    """What the bridge does on PUBACK."""
+    changes_apply([Change(pk=row.pk, to=Status.PUBLISHED, allowed=frozenset({Status.SENT}),
+                          actor="bridge", reason="PUBACK",
+                          fields={"published_at": when,
+                                  "ack_deadline_at": when + timedelta(
+                                      milliseconds=settings.REACH_ACK_TIMEOUT_MS)})], now=when)
+
+
+def answer(kind: MT, for_id: str, **payload) -> None:
+    env = protocol.new_envelope(message_type=kind, from_agent_id="fin.tax",
+                                headers={"ackFor": for_id, "replyNodeId": "node-b"},
+                                payload=payload)
+    messages_ingest(batch=[Incoming(protocol.inbox_topic("ooder", "console"),
+                                    protocol.encode(env))], node_id="console", prefix="ooder")
+
+
+@pytest.mark.parametrize("attempt", [1, 2, 3, 4, 5, 6, 9])
+def test_backoff_grows_caps_and_jitters_within_bounds(attempt):
+    base = min(2000, 100 * 2 ** (attempt - 1))
+    rng = random.Random(attempt)
+    delays = [retry_delay_ms(attempt, rng=rng) for _ in range(500)]
+    assert min(delays) >= base * 0.8 and max(delays) <= base * 1.2
+    assert max(delays) - min(delays) > base * 0.2  # the jitter is really there
+
+
+def test_an_unanswered_task_is_tried_five_times_then_expires(now):
+    register("fin.tax", "node-b", now=now)
+    first = message_send(request=SendRequest(to="fin.tax", task_id="job-1", timeout_ms=600_000),
+                         now=now)
+    row, moment = first, now
+    for attempt in range(1, 6):
+        assert (row.attempt, row.task_id, row.idempotency_key) == (attempt, "job-1", "job-1")
+        services.agent_renew(agent_id="fin.tax", now=moment)
+        publish(row, moment)
+        moment += timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS + 1)
+        deliveries_sweep(now=moment)
+        row.refresh_from_db()
+        if attempt == 5:
+            break
+        assert row.status == Status.RETRYING
+        moment = row.next_attempt_at
+        services.agent_renew(agent_id="fin.tax", now=moment)
+        result = deliveries_sweep(now=moment)
+        assert result.attempts == 1
+        row.refresh_from_db()
+        assert row.status == Status.RETRIED
+        row = Message.objects.get(resend_of=row)
+    assert row.status == Status.EXPIRED
+    assert "no ACK within" in row.error and "5 attempts made" in row.error
+    rows = Message.objects.filter(task_id="job-1").order_by("attempt")
+    assert [r.status for r in rows] == ["RETRIED"] * 4 + ["EXPIRED"]
+    assert len({r.message_id for r in rows}) == 5
+
+
+def test_a_send_the_broker_never_took_fails_after_its_attempts(now, settings):
+    settings.REACH_RETRY_MAX_ATTEMPTS = 1
+    register("fin.tax", "node-b", now=now)
+    row = message_send(request=SendRequest(to="fin.tax"), now=now)
+    deliveries_sweep(now=now + timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS + 1))
+    row.refresh_from_db()
+    assert row.status == Status.FAILED
+    assert "the broker did not take it" in row.error
+
+
+def test_the_tasks_deadline_bounds_the_attempts(now):
+    register("fin.tax", "node-b", now=now)
+    row = message_send(request=SendRequest(to="fin.tax", timeout_ms=settings.REACH_ACK_TIMEOUT_MS
+                                           + 50), now=now)
+    publish(row, now)
+    deliveries_sweep(now=now + timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS + 1))
+    row.refresh_from_db()
+    assert row.status == Status.EXPIRED and "deadline (timeoutMs)" in row.error
+
+
+def test_a_retryable_nack_schedules_another_attempt(now):
+    register("fin.tax", "node-b", now=now)
+    row = message_send(request=SendRequest(to="fin.tax"), now=now)
+    answer(MT.NACK, row.message_id, reason="warming up", retryable=True)
+    row.refresh_from_db()
+    assert row.status == Status.RETRYING and row.next_attempt_at is not None
+    final = message_send(request=SendRequest(to="fin.tax"), now=now)
+    answer(MT.NACK, final.message_id, reason="bad input", retryable=False)
+    final.refresh_from_db()
+    assert final.status == Status.NACKED and "not retryable" in final.error
+
+
+def test_the_storm_guard_refuses_the_sixth_transmission_in_a_minute(now, api):
+    register("fin.tax", "node-b", now=now)
+    for _ in range(5):
+        message_send(request=SendRequest(to="fin.tax", task_id="storm-1"))
+    with pytest.raises(SendRefused) as err:
+        message_send(request=SendRequest(to="fin.tax", task_id="storm-1"))
+    assert err.value.status == 429 and "retry-storm guard" in err.value.detail
+    r = api.post("/api/a2a/send", {"to": "fin.tax", "taskId": "storm-1"})
+    assert r.status_code == 429 and r.json()["error"] == "retry_storm"
+    assert Message.objects.filter(task_id="storm-1").count() == 5
+    # A window later the guard lets it through again.
+    moment = now + timedelta(seconds=settings.REACH_TASK_WINDOW_S + 1)
+    services.agent_renew(agent_id="fin.tax", now=moment)
+    later = message_send(request=SendRequest(to="fin.tax", task_id="storm-1"), now=moment)
+    assert later.status == Status.SENT
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_sweepers_never_send_the_same_attempt(now):
+    register("fin.tax", "node-b", now=now)
+    rows = [message_send(request=SendRequest(to="fin.tax", timeout_ms=600_000), now=now)
+            for _ in range(30)]
+    Message.objects.filter(pk__in=[r.pk for r in rows]).update(
+        status=Status.RETRYING, next_attempt_at=now, held=False)
+    barrier = threading.Barrier(2)
+    results, errors = [], []
+
+    def sweep():
+        try:
+            barrier.wait()
+            results.append(deliveries_sweep(now=now + timedelta(milliseconds=1)))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=sweep) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    close_old_connections()
+    assert errors == []
+    assert sum(r.attempts for r in results) == 30
+    assert Message.objects.filter(attempt=2).count() == 30
+    assert Message.objects.filter(status=Status.RETRIED).count() == 30
+    assert Message.objects.filter(resend_of__isnull=False).values("resend_of").distinct(
+    ).count() == 30
+
+
+def test_max_inflight_holds_then_releases_in_order(now):
+    register("fin.tax", "node-b", max_inflight=2, now=now)
+    rows = [message_send(request=SendRequest(to="fin.tax", payload={"n": n})) for n in range(5)]
+    assert [r.held for r in rows] == [False, False, True, True, True]
+    assert all(r.status == Status.SENT for r in rows)
+    answer(MT.ACK, rows[0].message_id)
+    held = {r.pk: r.held for r in Message.objects.filter(pk__in=[r.pk for r in rows])}
+    assert [held[r.pk] for r in rows] == [False, False, False, True, True]  # the oldest went
+    answer(MT.ACK, rows[1].message_id)
+    answer(MT.ACK, rows[2].message_id)
+    held = {r.pk: r.held for r in Message.objects.filter(pk__in=[r.pk for r in rows])}
+    assert [held[r.pk] for r in rows] == [False] * 5
+
+
+def test_past_the_queue_limit_a_send_is_busy_at_once(now, settings):
+    settings.REACH_QUEUE_LIMIT = 2
+    register("fin.tax", "node-b", max_inflight=1, now=now)
+    statuses = [message_send(request=SendRequest(to="fin.tax")) for _ in range(4)]
+    assert [(r.status, r.held) for r in statuses] == [
+        ("SENT", False), ("SENT", True), ("SENT", True), ("BUSY", False)]
+    assert "REACH_QUEUE_LIMIT" in statuses[-1].error
+
+
+def test_capability_routing_goes_around_a_full_agent(now):
+    register("web.a", "node-a", capabilities=["crawl"], max_inflight=1, now=now)
+    register("web.b", "node-b", capabilities=["crawl"], max_inflight=1, now=now)
+    first = message_send(request=SendRequest(to="capability:crawl", from_agent_id="web.me"))
+    second = message_send(request=SendRequest(to="capability:crawl", from_agent_id="web.me"))
+    assert {first.to_agent_id, second.to_agent_id} == {"web.a", "web.b"}
+    assert not first.held and not second.held
+
+
+def test_held_work_for_an_agent_that_leaves_is_undeliverable(now):
+    register("fin.tax", "node-b", max_inflight=1, now=now)
+    first = message_send(request=SendRequest(to="fin.tax"))
+    held = message_send(request=SendRequest(to="fin.tax"))
+    services.agent_drain(agent_id="fin.tax")
+    answer(MT.ACK, first.message_id)
+    held.refresh_from_db()
+    assert held.status == Status.UNDELIVERABLE and "draining" in held.error
+
+
+def test_a_resend_keeps_the_task_and_is_audited(now, api):
+    row = message_send(request=SendRequest(to="fin.tax", task_id="job-9"))
+    assert row.status == Status.UNDELIVERABLE
+    register("fin.tax", "node-b")
+    r = api.post(f"/api/a2a/messages/{row.message_id}/resend")
+    assert r.status_code == 202, r.content
+    again = Message.objects.get(message_id=r.json()["messageId"])
+    assert (again.task_id, again.idempotency_key, again.resend_of_id) == (
+        "job-9", "job-9", row.pk)
+    assert again.status == Status.SENT
+    assert AuditEntry.objects.filter(action="resend", target=row.message_id,
+                                     result="ok").count() == 1
+    fresh = api.post(f"/api/a2a/messages/{row.message_id}/resend", {"newIdempotencyKey": True})
+    assert fresh.status_code == 202 and "run the work again" in fresh.json()["warning"]
+    assert Message.objects.get(message_id=fresh.json()["messageId"]).idempotency_key != "job-9"
+    busy = api.post(f"/api/a2a/messages/{again.message_id}/resend")
+    assert busy.status_code == 409 and busy.json()["error"] == "not_resendable"
+    assert AuditEntry.objects.filter(result="refused").count() == 1
+
+
+def test_a_resend_answers_404_for_an_unknown_message(api):
+    r = api.post("/api/a2a/messages/nope/resend")
+    assert r.status_code == 404 and r.json()["error"] == "message_not_found"
+
+
+def test_the_idempotency_window_is_one_for_every_instance():
+    """Two console instances share the window through the cache (Redis in production)."""
+    from django.core.cache import caches
+    from django.core.cache.backends.base import BaseCache
+
+    key = f"work-{uuid.uuid4().hex}"
+    assert idempotency_claim(node_id="console", key=key, message_id="m-1")
+    assert idempotency_claim(node_id="console", key=key, message_id="m-1")  # a redelivery
+    assert not idempotency_claim(node_id="console", key=key, message_id="m-2")
+    if settings.REDIS_URL:
+        # A second, independent client of the same Redis: another console instance.
+        other: BaseCache = caches.create_connection("default")
+        from messages.idempotency import _key
+
+        assert other.get(_key("console", key)) == "m-1"
+
+
+def test_a_duplicate_from_another_instance_is_acked_not_run():
+    key = f"work-{uuid.uuid4().hex}"
+    topic = protocol.inbox_topic("ooder", "console")
+
+    def request():
+        return protocol.new_envelope(
+            message_type=MT.TASK_REQUEST, from_agent_id="fin.tax", to_agent_id="ops.probe",
+            headers={"replyNodeId": "node-b", "idempotencyKey": key}, payload={})
+
+    first, second = request(), request()
+    messages_ingest(batch=[Incoming(topic, protocol.encode(first))], node_id="console",
+                    prefix="ooder")
+    with transaction.atomic():
+        result = messages_ingest(batch=[Incoming(topic, protocol.encode(second))],
+                                 node_id="console", prefix="ooder")
+    assert result.counts["duplicate_idempotency_key"] == 1
+    assert Message.objects.filter(direction=Direction.RECV, message_type="TASK_REQUEST",
+                                  idempotency_key=key).count() == 1
+    ack = Message.objects.get(in_reply_to=second.message_id)
+    assert ack.payload == {"duplicate": True}
