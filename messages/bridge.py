@@ -26,6 +26,7 @@ from django.db import (
     InterfaceError,
     OperationalError,
     close_old_connections,
+    connection,
     transaction,
 )
 from django.utils import timezone
@@ -199,10 +200,12 @@ class Bridge:
 
     def _subscriptions(self) -> list[tuple[str, int]]:
         subs = [(protocol.heartbeat_wildcard(self.prefix), 0)]
-        if self.node_id:
-            subs.append((protocol.inbox_topic(self.prefix, self.node_id), 1))
         if self.monitor:
+            # The wildcard covers our own inbox too (its topic makes those RECV); a second,
+            # overlapping subscription would have the broker deliver them twice.
             subs.append((protocol.inbox_wildcard(self.prefix), 1))
+        elif self.node_id:
+            subs.append((protocol.inbox_topic(self.prefix, self.node_id), 1))
         return subs
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
@@ -243,6 +246,7 @@ class Bridge:
                 log.exception("MQTT bridge step failed; continuing")
                 time.sleep(0.5)
         self._drain_on_stop()
+        connection.close()  # this thread's own connection
 
     def step(self, wait: float = 0.0) -> bool:
         """One turn of the owner loop; returns whether it found work."""

@@ -107,9 +107,13 @@ def capacities_lock(agent_ids: Iterable[str]) -> Capacities:
     ids = sorted(set(agent_ids))
     if not ids:
         return Capacities()
-    limits = dict(Agent.objects.select_for_update().filter(agent_id__in=ids).order_by("id")
-                  .values_list("agent_id", "max_inflight"))
+    # Always locked in agent id order (as heartbeat_record does), so two transactions
+    # locking overlapping agents cannot deadlock.
+    limits = dict(Agent.objects.select_for_update().filter(agent_id__in=ids)
+                  .order_by("agent_id").values_list("agent_id", "max_inflight"))
+    # Only task requests occupy a slot: the console's own ACKs are never answered.
     counts = (Message.objects.filter(direction=Direction.SEND, to_agent_id__in=list(limits),
+                                     message_type="TASK_REQUEST",
                                      status__in=list(INFLIGHT_STATUSES))
               .values("to_agent_id").annotate(
                   inflight=Count("id", filter=Q(held=False)),
@@ -143,6 +147,7 @@ def held_release(*, agent_ids: Iterable[str], now: datetime) -> tuple[list[int],
         if not capacity.held:
             continue
         held = Message.objects.filter(direction=Direction.SEND, to_agent_id=agent_id, held=True,
+                                      message_type="TASK_REQUEST",
                                       status=Status.SENT).order_by("created_at", "id")
         resolution = resolve_agent_node(to_agent_id=agent_id, now=now)
         if not resolution.ok:

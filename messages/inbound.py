@@ -122,22 +122,27 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
         direction = Direction.RECV if match.node_id == node_id else Direction.OBSERVED
         rows.append(_row(env, topic=item.topic, direction=direction, now=now))
 
+    if heartbeats:
+        # Their own short transaction: they lock roster rows, which the message batch
+        # should not hold while it waits for message rows (lock order, no deadlocks).
+        with transaction.atomic():
+            for hb_node, env in heartbeats:
+                _heartbeat(hb_node, env, now=now, counts=counts)
     claims: list[tuple[str, str]] = []
     try:
-        _ingest_rows(rows, heartbeats, node_id=node_id, now=now, result=result, claims=claims)
+        _ingest_rows(rows, node_id=node_id, now=now, result=result, claims=claims)
     except BaseException:
         idempotency_release(node_id=node_id, claims=claims)
         raise
     return result
 
 
-def _ingest_rows(rows: list[Message], heartbeats: list[tuple[str, protocol.Envelope]], *,
-                 node_id: str, now: datetime, result: IngestResult,
+def _ingest_rows(rows: list[Message], *, node_id: str, now: datetime, result: IngestResult,
                  claims: list[tuple[str, str]]) -> None:
+    if not rows:
+        return
     counts = result.counts
     with transaction.atomic():
-        for hb_node, env in heartbeats:
-            _heartbeat(hb_node, env, now=now, counts=counts)
         duplicates, rows = _split_duplicates(rows, node_id=node_id, claims=claims)
         fresh = messages_insert_new(rows)
         counts["duplicate_message_id"] += len(rows) - len(fresh)
@@ -168,7 +173,8 @@ def _ingest_rows(rows: list[Message], heartbeats: list[tuple[str, protocol.Envel
                     events += more
                     result.to_publish += publish
         freed = {m.to_agent_id for m in applied.messages
-                 if m.direction == Direction.SEND and m.status not in INFLIGHT_STATUSES}
+                 if m.direction == Direction.SEND and m.message_type == MT.TASK_REQUEST
+                 and m.status not in INFLIGHT_STATUSES}
         if freed:
             publish, undeliverable = held_release(agent_ids=freed, now=now)
             result.to_publish += publish

@@ -37,6 +37,7 @@ from messages.models import (
     Status,
     Transition,
 )
+from messages.state import atomic_retrying
 from reachconsole.metrics import counters_add
 from roster.services import agent_id_parse
 
@@ -116,6 +117,7 @@ CAPABILITY_PREFIX = "capability:"
 def unacked_counts(agent_ids: list[str]) -> dict[str, int]:
     """What the console has sent each agent and not yet seen acknowledged."""
     rows = (Message.objects.filter(direction=Direction.SEND, to_agent_id__in=agent_ids,
+                                   message_type=protocol.MessageType.TASK_REQUEST,
                                    status__in=list(INFLIGHT_STATUSES))
             .values("to_agent_id").annotate(n=Count("id")))
     return {row["to_agent_id"]: row["n"] for row in rows}
@@ -184,12 +186,23 @@ def messages_send(*, requests: list[SendRequest], actor: str = "api", by: str = 
         if not skip_refused:
             raise exc
         refused.append((SendRequest(to=row.to_agent_id, task_id=row.task_id), exc))
-    with transaction.atomic():
-        rows, publish, events = _send_prepared(prepared, actor=actor, by=by, now=now)
-        events_on_commit(events)
-        if publish:
-            transaction.on_commit(lambda: publish_request(publish))
+    rows = atomic_retrying(lambda: _send_and_publish(prepared, actor=actor, by=by, now=now))
     return Sent(rows=rows, refused=refused)
+
+
+def _send_and_publish(prepared: list[tuple[Message, Resolution]], *, actor: str, by: str,
+                      now: datetime) -> list[Message]:
+    """Inside a transaction: write and route the rows; events and publishing after commit."""
+    for row, _ in prepared:
+        # A retried transaction starts from the prepared row again.
+        row.pk, row._state.adding = None, True
+        row.status, row.held, row.ack_deadline_at = Status.SENT, False, None
+        row.error, row.finished_at = "", None
+    rows, publish, events = _send_prepared(prepared, actor=actor, by=by, now=now)
+    events_on_commit(events)
+    if publish:
+        transaction.on_commit(lambda: publish_request(publish))
+    return rows
 
 
 def _prepared_row(request: SendRequest, to_agent_id: str, resolution: Resolution,
@@ -332,12 +345,7 @@ def messages_send_group(*, group: str, request: SendRequest, actor: str = "api",
     prepared, storm = _storm_guard(prepared, now=now)
     if storm:
         raise storm[0][1]
-    with transaction.atomic():
-        rows, publish, events = _send_prepared(prepared, actor=actor, by=by, now=now)
-        events_on_commit(events)
-        if publish:
-            transaction.on_commit(lambda: publish_request(publish))
-    return rows
+    return atomic_retrying(lambda: _send_and_publish(prepared, actor=actor, by=by, now=now))
 
 
 def message_next_attempt(

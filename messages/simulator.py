@@ -84,6 +84,7 @@ class SimulatedNode:
     work: queue.Queue = field(default_factory=queue.Queue)
     seen_keys: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    subscribed: threading.Event = field(default_factory=threading.Event)
 
     def hosts(self, agent_id: str | None) -> bool:
         return any(a.agent_id == agent_id for a in self.agents)
@@ -160,8 +161,12 @@ class SimulatedCluster:
         def on_message(c, userdata, message):
             node.work.put(message.payload)
 
+        def on_subscribe(c, userdata, mid, reason_codes, properties):
+            node.subscribed.set()
+
         client.on_connect = on_connect
         client.on_message = on_message
+        client.on_subscribe = on_subscribe
         client.suppress_exceptions = True
         client.reconnect_delay_set(1, 5)
         client.connect_async(self.mqtt.hostname, self.mqtt.port or 1883, keepalive=30)
@@ -276,6 +281,8 @@ class SimulatedCluster:
         while not self._stop.is_set() and not self.register(node):
             self._stop.wait(1.0)
         self._connect(node)
+        # A node announces itself (heartbeats) only once it can hear its inbox.
+        node.subscribed.wait(10)
         started = time.monotonic()
         next_beat = 0.0
         per_node_rate = self.knobs.rate / max(1, len(self.nodes))

@@ -6,17 +6,20 @@ Transition, and announced with events after commit. Callers own the transaction.
 
 from __future__ import annotations
 
+import random
+import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
-from django.db import connection
+from django.db import OperationalError, connection, transaction
 
 from messages.events import message_events
 from messages.models import Message, Transition
 
+T = TypeVar("T")
 INSERT_CHUNK = 400  # 24 columns × 400 rows stays under SQLite's 32,766 parameters
 
 
@@ -132,3 +135,26 @@ def transition_first(message: Message, *, actor: str, reason: str = "", by: str 
         message=message, from_status="", to_status=message.status, at=message.created_at,
         reason=reason, actor=actor, by=by,
     )
+
+
+def _transient(exc: BaseException) -> bool:
+    """A deadlock or serialization failure (PostgreSQL), or a busy database (SQLite): the
+    transaction was rolled back whole and may simply run again."""
+    cause = exc.__cause__
+    name = type(cause).__name__ if cause is not None else ""
+    return name in {"DeadlockDetected", "SerializationFailure"} or "database is locked" in str(exc)
+
+
+def atomic_retrying(work: Callable[[], T], *, attempts: int = 4) -> T:
+    """Run `work` in a transaction, again (a few times, with a short jittered pause) when the
+    database aborted it as a deadlock victim. Only at the outermost level: inside another
+    transaction there is nothing to retry from."""
+    for attempt in range(1, attempts + 1):
+        try:
+            with transaction.atomic():
+                return work()
+        except OperationalError as exc:
+            if connection.in_atomic_block or attempt == attempts or not _transient(exc):
+                raise
+            time.sleep(0.01 * attempt + random.random() * 0.02)  # noqa: S311
+    raise AssertionError("unreachable")

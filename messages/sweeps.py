@@ -19,7 +19,7 @@ from messages.delivery import held_release, retry_or_give_up
 from messages.events import events_on_commit
 from messages.models import Direction, Message, Status
 from messages.outbound import message_next_attempt, publish_request
-from messages.state import Change, changes_apply
+from messages.state import Change, atomic_retrying, changes_apply
 
 SWEEP_BATCH = 500
 
@@ -96,20 +96,33 @@ def _due(now: datetime, result: SweepResult) -> list[dict]:
 
 
 def deliveries_sweep(*, now: datetime | None = None) -> SweepResult:
+    """Three short transactions, each committing (and publishing) on its own: a long one
+    would hold message and agent locks that the bridge needs."""
     now = now or timezone.now()
     result = SweepResult()
-    with transaction.atomic():
-        events = _overdue(now, result)
-        events += _due(now, result)
-        agents = list(Message.objects.filter(direction=Direction.SEND, held=True,
-                                             status=Status.SENT)
-                      .order_by().values_list("to_agent_id", flat=True).distinct()[:200])
-        publish, undeliverable = held_release(agent_ids=agents, now=now)
-        result.released = len(publish)
-        result.publish += publish
-        events += changes_apply(undeliverable, now=now).events
-        events_on_commit(events)
-        if result.publish:
-            pks = list(result.publish)
-            transaction.on_commit(lambda: publish_request(pks))
+    for step in (_overdue, _due, _release_held):
+        # A step retried after a deadlock starts from a fresh tally.
+        part = atomic_retrying(lambda step=step: _run_step(step, now))
+        result.retrying += part.retrying
+        result.given_up += part.given_up
+        result.attempts += part.attempts
+        result.released += part.released
+        result.publish += part.publish
     return result
+
+
+def _run_step(step, now: datetime) -> SweepResult:
+    part = SweepResult()
+    events_on_commit(step(now, part))
+    if part.publish:
+        transaction.on_commit(lambda: publish_request(part.publish))
+    return part
+
+
+def _release_held(now: datetime, result: SweepResult) -> list[dict]:
+    agents = list(Message.objects.filter(direction=Direction.SEND, held=True, status=Status.SENT)
+                  .order_by().values_list("to_agent_id", flat=True).distinct()[:200])
+    publish, undeliverable = held_release(agent_ids=agents, now=now)
+    result.released += len(publish)
+    result.publish += publish
+    return changes_apply(undeliverable, now=now).events

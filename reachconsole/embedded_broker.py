@@ -67,7 +67,7 @@ class AllowAllAuthPlugin(BaseAuthPlugin):
         return True
 
 
-PUBACK_WAIT_S = 60
+PUBACK_WAIT_S = 10  # how long a delivery task waits; an unanswered message stays queued either way
 
 
 class KeepInflightHandler(BrokerProtocolHandler):

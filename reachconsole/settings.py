@@ -171,7 +171,6 @@ MQTT_MAX_QUEUED = env_int("MQTT_MAX_QUEUED", 10000, minimum=10)
 REACH_BRIDGE = env_bool("REACH_BRIDGE", True)  # run the MQTT bridge in Celery workers
 REACH_BRIDGE_INSTANCE = env_str("REACH_BRIDGE_INSTANCE", "1")
 REACH_BRIDGE_BATCH = env_int("REACH_BRIDGE_BATCH", 500, minimum=1)
-REACH_BRIDGE_FLUSH_MS = env_int("REACH_BRIDGE_FLUSH_MS", 20, minimum=1)
 REACH_MAX_MESSAGE_BYTES = env_int("REACH_MAX_MESSAGE_BYTES", 256 * 1024, minimum=1024)
 
 # --- the roster ---------------------------------------------------------------------------

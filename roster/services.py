@@ -494,10 +494,12 @@ def heartbeat_record(
             loads[agent_id.replace("/", ".", 1)] = item
     with transaction.atomic():
         node = node_seen(node_id=node_id, heartbeat_ms=heartbeat_ms, now=now)
+        # Locked in agent id order, like every multi-agent lock, so they cannot deadlock.
         rows = list(
-            Agent.objects.select_for_update()
+            Agent.objects.select_for_update(of=("self",))
             .filter(agent_id__in=list(loads))
             .select_related("node")
+            .order_by("agent_id")
         )
         renewed, conflicts, revived, events = [], [], [], []
         for agent in rows:

@@ -16,7 +16,7 @@ from messages.delivery import retry_delay_ms
 from messages.idempotency import idempotency_claim
 from messages.inbound import Incoming, messages_ingest
 from messages.models import Direction, Message, Status
-from messages.outbound import SendRefused, SendRequest, message_resend, message_send
+from messages.outbound import SendRefused, SendRequest, message_send
 from messages.state import Change, changes_apply
 from messages.sweeps import deliveries_sweep
 from reachconsole.models import AuditEntry

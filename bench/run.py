@@ -1,0 +1,62 @@
+"""`make bench`: check the services, then bench/resolve.py, layers.py and ingest.py.
+
+Each bench runs in its own process (ingest.py sets Django up against the bench database;
+layers.py needs no database) and writes its JSON into bench/results/. A service that is not
+reachable stops everything before any measuring, with what to do about it.
+
+    .venv/bin/python bench/run.py [--strict]   # --strict: exit 2 when a goal is not met
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import common
+
+
+def migrate() -> None:
+    """The schema follows the code: migrate the bench database every time (quick when
+    there is nothing to do)."""
+    env = {**os.environ, "DATABASE_URL": common.DATABASE_URL}
+    done = subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"],
+                          cwd=common.ROOT, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise common.ServiceDown(f"migrating {common.BENCH_DB} failed:\n{done.stderr[-3000:]}")
+
+
+def bench(script: str, *args: str) -> int:
+    print(f"\n=== {script} {' '.join(args)}".rstrip(), flush=True)
+    started = time.monotonic()
+    code = subprocess.run([sys.executable, str(common.BENCH / script), *args],
+                          cwd=common.ROOT, check=False).returncode
+    print(f"=== {script}: exit {code} after {time.monotonic() - started:.0f} s", flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--strict", action="store_true", help="exit 2 when a goal is not met")
+    args = ap.parse_args(argv)
+    try:
+        common.services_check()
+        migrate()
+    except common.ServiceDown as exc:
+        print(f"\nBENCH NOT RUN: {exc}", file=sys.stderr)
+        return 1
+    print(f"services ok: PostgreSQL ({common.BENCH_DB}), Redis, Mosquitto on {common.HOST}")
+    resolve_env = {"DATABASE_URL": common.DATABASE_URL}
+    os.environ.update(resolve_env)
+    codes = [bench("resolve.py"), bench("layers.py"),
+             bench("ingest.py", *(["--strict"] if args.strict else []))]
+    if any(code == 1 or code < 0 for code in codes):
+        print("\nBENCH FAILED: a bench did not run to the end (see above)", file=sys.stderr)
+        return 1
+    return max(codes)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
