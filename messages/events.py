@@ -30,6 +30,7 @@ TIMELINE_GROUP = "a2a.timeline"
 SKILL_PROGRESS_GROUP = "a2a.skill_progress"
 FRAME_TYPE = "a2a.events"  # handled by consumers' a2a_events()
 MAX_EVENTS_PER_FRAME = 500
+MAX_PENDING_FLUSHES = 1000
 
 
 def _hashed(kind: str, value: str) -> str:
@@ -98,6 +99,8 @@ class EventPublisher:
         self.sent_frames = 0
         self.sent_events = 0
         self.failures = 0
+        self.pending = 0
+        self.dropped = 0
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Send on `loop` (the ASGI server's) from now on; None: back to a private loop."""
@@ -123,7 +126,20 @@ class EventPublisher:
                 frames[group].append(event)
         if not frames:
             return None
-        return asyncio.run_coroutine_threadsafe(self._send(frames), self._ensure_loop())
+        with self._lock:
+            if self.pending >= MAX_PENDING_FLUSHES:
+                # The channel layer is not keeping up: drop this push rather than queue
+                # without bound. Pages re-read the table, so a dropped hint loses nothing.
+                self.dropped += 1
+                return None
+            self.pending += 1
+        future = asyncio.run_coroutine_threadsafe(self._send(frames), self._ensure_loop())
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, _future) -> None:
+        with self._lock:
+            self.pending -= 1
 
     async def _send(self, frames: dict[str, list[dict]]) -> None:
         layer = get_channel_layer()

@@ -8,6 +8,7 @@ from reachconsole.api import api
 urlpatterns = [
     path("", include("roster.urls")),
     path("directory/", include("directory.urls")),
+    path("messages/", include("messages.urls")),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),

@@ -1,0 +1,12 @@
+from django.urls import path
+
+from messages import views
+
+app_name = "a2a"
+urlpatterns = [
+    path("", views.message_list, name="list"),
+    path("bulk-resend", views.message_resend_bulk, name="resend_bulk"),
+    path("agents/<str:agent_id>/load/", views.agent_load, name="agent_load"),
+    path("<str:message_id>/", views.message_trace, name="trace"),
+    path("<str:message_id>/resend", views.message_resend_view, name="resend"),
+]

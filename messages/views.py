@@ -1,0 +1,161 @@
+"""Message pages: the list an operator filters in an incident, one message's whole trace,
+resend (one or a filtered set), and what an agent still has in flight before a drain."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.contrib import messages as flash
+from django.contrib.auth.decorators import login_required, permission_required
+from django.db.models import Count, Q
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.http import urlencode
+from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.vary import vary_on_headers
+
+from directory.routing import route_capability
+from messages.models import RESENDABLE_STATUSES, Direction, Message, Status
+from messages.outbound import SendRefused, message_resend
+from reachconsole.models import audit_record
+from roster.models import Agent
+
+PAGE = 200
+BULK_LIMIT = 500
+SINCE_CHOICES = {"15": 15, "60": 60, "360": 360, "1440": 1440}
+
+
+def _filtered(request: HttpRequest):
+    get = request.GET
+    f = {"status": get.get("status", ""), "agent": get.get("agent", "").strip()[:265],
+         "direction": get.get("direction", ""), "since": get.get("since", "60"),
+         "q": get.get("q", "").strip()[:200]}
+    qs = Message.objects.all()
+    if f["status"] in Status.values:
+        qs = qs.filter(status=f["status"])
+    if f["direction"] in Direction.values:
+        qs = qs.filter(direction=f["direction"])
+    if f["agent"]:
+        qs = qs.filter(Q(to_agent_id=f["agent"]) | Q(from_agent_id=f["agent"]))
+    minutes = SINCE_CHOICES.get(f["since"], 60)
+    qs = qs.filter(created_at__gte=timezone.now() - timedelta(minutes=minutes))
+    if f["q"]:
+        qs = qs.filter(Q(message_id=f["q"]) | Q(task_id=f["q"]) | Q(conversation_id=f["q"]))
+    return qs.order_by("-created_at", "-id"), f
+
+
+@require_GET
+@login_required
+@vary_on_headers("HX-Request")
+def message_list(request: HttpRequest) -> HttpResponse:
+    qs, f = _filtered(request)
+    resendable = qs.filter(direction=Direction.SEND, message_type="TASK_REQUEST",
+                           status__in=list(RESENDABLE_STATUSES))
+    context = {"rows": qs[:PAGE], "f": f, "statuses": Status.values,
+               "directions": Direction.values, "since_choices": SINCE_CHOICES,
+               "resendable": resendable.count(), "bulk_limit": BULK_LIMIT,
+               "can_resend": request.user.has_perm("a2a.resend_message"),
+               "query": request.GET.urlencode()}
+    if request.htmx and request.htmx.target == "messages-live":
+        return render(request, "messages/_list_live.html", context)
+    return render(request, "messages/list.html", context)
+
+
+@require_GET
+@login_required
+def message_trace(request: HttpRequest, message_id: str) -> HttpResponse:
+    row = get_object_or_404(Message.objects.select_related("resend_of"), message_id=message_id)
+    attempts = (Message.objects.filter(task_id=row.task_id, direction=row.direction)
+                .order_by("created_at", "id") if row.task_id else [])
+    return render(request, "messages/trace.html", {
+        "m": row, "transitions": row.transitions.all(), "attempts": attempts,
+        "replies": Message.objects.filter(in_reply_to=row.message_id).order_by("created_at"),
+        "resendable": row.direction == Direction.SEND and row.status in RESENDABLE_STATUSES,
+        "can_resend": request.user.has_perm("a2a.resend_message"),
+    })
+
+
+@require_POST
+@login_required
+@permission_required("a2a.resend_message", raise_exception=True)
+def message_resend_view(request: HttpRequest, message_id: str) -> HttpResponse:
+    actor = request.user.get_username()
+    new_key = request.POST.get("new_key") == "1"
+    try:
+        row = message_resend(message_id=message_id, by=actor, new_idempotency_key=new_key)
+    except SendRefused as exc:
+        audit_record(actor=actor, action="resend", target=message_id, result="refused",
+                     detail=exc.detail)
+        flash.error(request, exc.detail)
+        return redirect("a2a:trace", message_id=message_id)
+    audit_record(actor=actor, action="resend", target=message_id,
+                 detail=f"as {row.message_id} ({row.status})"
+                 + ("; new idempotency key" if new_key else ""))
+    flash.success(request, f"Resent as {row.message_id}: {row.status}.")
+    return redirect("a2a:trace", message_id=row.message_id)
+
+
+@require_POST
+@login_required
+@permission_required("a2a.resend_message", raise_exception=True)
+def message_resend_bulk(request: HttpRequest) -> HttpResponse:
+    """Resend what the list's filters select (failed task requests only), up to a limit,
+    each under the same guards as a single resend."""
+    request.GET = request.POST  # the filters travel in the form
+    qs, f = _filtered(request)
+    targets = list(qs.filter(direction=Direction.SEND, message_type="TASK_REQUEST",
+                             status__in=list(RESENDABLE_STATUSES))
+                   .values_list("message_id", flat=True)[:BULK_LIMIT])
+    expected = request.POST.get("expected", "")
+    if expected != str(len(targets)):
+        flash.error(request, f"The selection changed ({expected} previewed, {len(targets)} "
+                    "now): look at the list again and confirm the new count.")
+        keep = {k: v for k, v in request.POST.items() if k in ("status", "agent", "direction",
+                                                             "since", "q")}
+        return redirect(f"{reverse('a2a:list')}?{urlencode(keep)}")
+    actor = request.user.get_username()
+    ok, refused = 0, []
+    for message_id in targets:
+        try:
+            message_resend(message_id=message_id, by=actor)
+            ok += 1
+        except SendRefused as exc:
+            refused.append(f"{message_id}: {exc.detail}")
+    audit_record(actor=actor, action="resend-bulk", target=f"{len(targets)} messages",
+                 result="ok" if not refused else "partial",
+                 detail=f"filters {f}; resent {ok}; refused {len(refused)}"
+                 + ("".join(f"\n{r}" for r in refused[:20])))
+    flash.success(request, f"Resent {ok} of {len(targets)} messages.")
+    if refused:
+        flash.error(request, f"{len(refused)} refused, e.g. {refused[0]}")
+    return redirect("a2a:list")
+
+
+@require_GET
+@login_required
+def agent_load(request: HttpRequest, agent_id: str) -> HttpResponse:
+    """What an agent has in flight, held and refused, and who else covers its capabilities:
+    what an operator reads before draining it."""
+    agent = get_object_or_404(Agent, agent_id=agent_id)
+    sends = Message.objects.filter(direction=Direction.SEND, to_agent_id=agent_id,
+                                   message_type="TASK_REQUEST")
+    counts = sends.aggregate(
+        inflight=Count("id", filter=Q(status__in=[Status.SENT, Status.PUBLISHED], held=False)),
+        held=Count("id", filter=Q(status=Status.SENT, held=True)),
+        busy=Count("id", filter=Q(status=Status.BUSY,
+                                  created_at__gte=timezone.now() - timedelta(hours=1))),
+    )
+    coverage = []
+    for capability in agent.capabilities:
+        routed = route_capability(capability=capability, from_agent_id=agent_id,
+                                  exclude=[agent_id])
+        others = [c for c in routed.candidates if c.agent_id != agent_id]
+        coverage.append({"capability": capability, "others": others,
+                         "live": [c for c in others if c.routable]})
+    return render(request, "messages/_agent_load.html", {
+        "agent": agent, "counts": counts, "coverage": coverage,
+        "inflight": sends.filter(status__in=[Status.SENT, Status.PUBLISHED])
+        .order_by("created_at")[:50],
+    })

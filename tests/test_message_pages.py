@@ -1,0 +1,124 @@
+"""The message pages: list, trace, resend (one and a filtered set), an agent's load."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.test import Client
+
+from messages.models import Message, Status
+from messages.outbound import SendRequest, message_send
+from reachconsole.models import AuditEntry
+from roster import services
+from tests.conftest import register
+
+pytestmark = pytest.mark.django_db
+XSS = '<img src=x onerror="window.pwned=1">'
+
+
+@pytest.fixture
+def operator() -> Client:
+    user = User.objects.create_user("olga", password="pw-olga-123")
+    user.user_permissions.add(Permission.objects.get(codename="resend_message"))
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def viewer() -> Client:
+    client = Client()
+    client.force_login(User.objects.create_user("victor", password="pw-victor-123"))
+    return client
+
+
+def undeliverable(**kwargs) -> Message:
+    row = message_send(request=SendRequest(to="fin.tax", **kwargs))
+    assert row.status == Status.UNDELIVERABLE
+    return row
+
+
+def test_the_list_filters_and_links_to_traces(viewer):
+    a = undeliverable(task_id="job-a")
+    register("llm.chat", "node-b")
+    b = message_send(request=SendRequest(to="llm.chat", task_id="job-b"))
+    html = viewer.get("/messages/").content.decode()
+    assert f'data-message="{a.message_id}"' in html and f'data-message="{b.message_id}"' in html
+    only = viewer.get("/messages/", {"status": "UNDELIVERABLE"}).content.decode()
+    assert f'data-message="{a.message_id}"' in only
+    assert f'data-message="{b.message_id}"' not in only
+    by_task = viewer.get("/messages/", {"q": "job-b"}).content.decode()
+    assert f'data-message="{b.message_id}"' in by_task
+    assert f'data-message="{a.message_id}"' not in by_task
+
+
+def test_the_list_needs_a_login(client):
+    assert client.get("/messages/").status_code == 302
+
+
+def test_the_trace_shows_every_step_and_untrusted_text_as_text(viewer):
+    row = undeliverable(payload={"note": XSS})
+    html = viewer.get(f"/messages/{row.message_id}/").content.decode()
+    assert "no agent fin.tax is on the roster" in html
+    assert html.count('class="badge UNDELIVERABLE"') >= 2  # the status and the trace step
+    assert XSS not in html and "\\u003Cimg src=x" in html
+
+
+def test_a_viewer_cannot_resend(viewer):
+    row = undeliverable()
+    html = viewer.get(f"/messages/{row.message_id}/").content.decode()
+    assert 'id="resend"' not in html
+    assert viewer.post(f"/messages/{row.message_id}/resend").status_code == 403
+    assert Message.objects.count() == 1
+
+
+def test_an_operator_resends_from_the_trace(operator):
+    row = undeliverable(task_id="job-r")
+    register("fin.tax", "node-b")
+    assert 'id="resend"' in operator.get(f"/messages/{row.message_id}/").content.decode()
+    r = operator.post(f"/messages/{row.message_id}/resend", follow=True)
+    again = Message.objects.exclude(pk=row.pk).get()
+    assert (again.task_id, again.resend_of_id, again.status) == ("job-r", row.pk, "SENT")
+    assert r.redirect_chain[-1][0] == f"/messages/{again.message_id}/"
+    entry = AuditEntry.objects.get(action="resend")
+    assert (entry.actor, entry.target, entry.result) == ("olga", row.message_id, "ok")
+
+
+def test_a_resend_needs_csrf(operator):
+    row = undeliverable()
+    strict = Client(enforce_csrf_checks=True)
+    strict.cookies = operator.cookies
+    assert strict.post(f"/messages/{row.message_id}/resend").status_code == 403
+    assert Message.objects.count() == 1
+
+
+def test_bulk_resend_previews_the_count_and_checks_it(operator):
+    rows = [undeliverable() for _ in range(3)]
+    register("fin.tax", "node-b")
+    html = operator.get("/messages/", {"status": "UNDELIVERABLE", "agent": "fin.tax"})
+    assert 'data-resendable="3"' in html.content.decode()
+    filters = {"status": "UNDELIVERABLE", "agent": "fin.tax", "since": "60", "direction": "",
+               "q": ""}
+    stale = operator.post("/messages/bulk-resend", {**filters, "expected": "2"}, follow=True)
+    assert "The selection changed" in stale.content.decode()
+    assert Message.objects.count() == 3
+    done = operator.post("/messages/bulk-resend", {**filters, "expected": "3"}, follow=True)
+    assert "Resent 3 of 3 messages" in done.content.decode()
+    assert Message.objects.filter(resend_of__in=rows, status="SENT").count() == 3
+    assert AuditEntry.objects.get(action="resend-bulk").result == "ok"
+
+
+def test_the_agent_load_shows_inflight_held_and_coverage(viewer):
+    register("web.a", "node-a", capabilities=["crawl", "scrape"], max_inflight=1)
+    register("web.b", "node-b", capabilities=["crawl"])
+    first = message_send(request=SendRequest(to="web.a"))
+    held = message_send(request=SendRequest(to="web.a"))
+    assert held.held
+    html = viewer.get("/messages/agents/web.a/load/").content.decode()
+    assert 'data-count="inflight">1<' in html and 'data-count="held">1<' in html
+    assert first.message_id in html
+    assert 'data-capability="crawl"' in html and "web.b on node-b" in html
+    assert "nobody else can take it now" in html  # scrape
+    services.agent_drain(agent_id="web.b")
+    again = viewer.get("/messages/agents/web.a/load/").content.decode()
+    assert "draining: it takes no new work" in again
