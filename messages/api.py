@@ -27,9 +27,10 @@ router = Router(tags=["a2a"])
 
 
 class SendIn(Schema):
-    to: str = Field(..., max_length=300, description='"ns.agent", "capability:x" or "#group"')
+    to: str = Field(..., max_length=265,
+                    description='"ns.agent", "@mention", "capability:x" or "#group"')
     payload: Any = None
-    task_id: str | None = Field(None, alias="taskId", max_length=200)
+    task_id: str | None = Field(None, alias="taskId", max_length=120)
     target_node_id: str | None = Field(None, alias="targetNodeId", max_length=128)
     timeout_ms: int | None = Field(None, alias="timeoutMs", ge=100, le=86_400_000)
     wait: bool = False

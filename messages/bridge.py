@@ -9,6 +9,7 @@ the console's heartbeat. RELIABILITY.md lists the failures this is built around.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import random
@@ -20,6 +21,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
+import redis.exceptions
 from django.conf import settings
 from django.db import (
     DatabaseError,
@@ -48,7 +50,9 @@ log = logging.getLogger(__name__)
 
 QUEUE_LIMIT = 20_000
 RETRY_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
-DB_DOWN = (OperationalError, InterfaceError)
+# The database or the cache (Redis: the idempotency window) is down: wait, don't skip.
+INFRA_DOWN = (OperationalError, InterfaceError, redis.exceptions.ConnectionError,
+              redis.exceptions.TimeoutError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +67,9 @@ class _Received:
 @dataclass(frozen=True, slots=True)
 class _Publish:
     pks: tuple[int, ...]
+
+
+_WAKE = object()  # wakes the owner thread when confirms are waiting
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +110,7 @@ class Bridge:
         self.connected = threading.Event()
         self.generation = 0
         self._work: queue.Queue = queue.Queue(maxsize=QUEUE_LIMIT)
+        self._confirms: collections.deque[_Confirmed] = collections.deque()
         self._pending: dict[int, int] = {}  # paho mid → a2a_message pk, until PUBACK
         self._backlog: list[int] = []  # rows paho could not queue; tried again shortly
         self._backlog_at = 0.0
@@ -233,8 +241,14 @@ class Bridge:
                                  self.generation))
 
     def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        # paho calls this holding its outgoing-message lock, which the owner thread needs to
+        # publish: never block here. Confirms are few (at most the in-flight window).
         failure = str(reason_code) if getattr(reason_code, "is_failure", False) else ""
-        self._work.put(_Confirmed(mid, failure))
+        self._confirms.append(_Confirmed(mid, failure))
+        try:
+            self._work.put_nowait(_WAKE)
+        except queue.Full:
+            pass  # the owner is busy anyway and drains the confirms on its next turn
 
     # --- the owner thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -253,7 +267,7 @@ class Bridge:
         items = self._take(wait)
         received = [i for i in items if isinstance(i, _Received)]
         publishes = [pk for i in items if isinstance(i, _Publish) for pk in i.pks]
-        confirms = [i for i in items if isinstance(i, _Confirmed)]
+        confirms = self._drain_confirms()
         if received:
             self._ingest(received)
         if confirms:
@@ -271,6 +285,12 @@ class Bridge:
             self.counts.flush()
         return bool(items)
 
+    def _drain_confirms(self) -> list[_Confirmed]:
+        confirms = []
+        while self._confirms:
+            confirms.append(self._confirms.popleft())
+        return confirms
+
     def _take(self, wait: float) -> list:
         try:
             first = self._work.get(timeout=wait) if wait else self._work.get_nowait()
@@ -287,23 +307,33 @@ class Bridge:
 
     def _ingest(self, received: list[_Received]) -> None:
         batch = [Incoming(r.topic, r.payload) for r in received]
-        for delay in (*RETRY_BACKOFF_S, None):
+        attempt = 0
+        while True:
             try:
                 close_old_connections()
-                result = messages_ingest(batch=batch, node_id=self.node_id, prefix=self.prefix)
+                try:
+                    result = messages_ingest(batch=batch, node_id=self.node_id,
+                                             prefix=self.prefix)
+                except INFRA_DOWN:
+                    raise
+                except Exception:
+                    log.exception("a batch of %d messages failed; isolating the bad ones",
+                                  len(batch))
+                    result = self._ingest_one_by_one(batch)
                 break
-            except DB_DOWN as exc:
-                if self._stop.is_set() or delay is None:
-                    # Not acknowledged: the broker delivers them again to the next session.
-                    log.error("database unavailable, %d messages left to the broker: %s",
-                              len(batch), exc)
+            except INFRA_DOWN as exc:
+                # Keep the batch and keep trying: unacknowledged, the broker holds the rest,
+                # and paho stops reading once the hand-over queue is full. Giving up would
+                # leave the messages unacknowledged on a live connection, never redelivered.
+                if self._stop.is_set():
+                    log.error("stopping with %d messages unstored; the broker keeps them",
+                              len(batch))
                     return
-                log.warning("database unavailable (%s); retrying in %.1f s", exc, delay)
+                delay = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
+                attempt += 1
+                log.warning("database or cache unavailable (%s); retrying in %.1f s", exc, delay)
+                self.counts["ingest_retries"] += 1
                 time.sleep(delay)
-            except Exception:
-                log.exception("a batch of %d messages failed; isolating the bad ones", len(batch))
-                result = self._ingest_one_by_one(batch)
-                break
         self.counts.update(result.counts)
         self._ack(received)
         if result.to_publish:
@@ -316,7 +346,7 @@ class Bridge:
         for item in batch:
             try:
                 one = messages_ingest(batch=[item], node_id=self.node_id, prefix=self.prefix)
-            except DB_DOWN:
+            except INFRA_DOWN:
                 raise
             except Exception:
                 # A message that makes the handler fail is counted and skipped, not retried
@@ -450,7 +480,7 @@ class Bridge:
             received = [i for i in items if isinstance(i, _Received)]
             if received:
                 self._ingest(received)
-            confirms = [i for i in items if isinstance(i, _Confirmed)]
+            confirms = self._drain_confirms()
             if confirms:
                 self._confirm(confirms)
 

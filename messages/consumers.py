@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from messages.events import (
+    INTEREST_TTL_S,
     SKILL_PROGRESS_GROUP,
     TIMELINE_GROUP,
     conversation_group,
+    interest_register,
     scene_group,
     session_group,
 )
@@ -40,7 +43,14 @@ class EventStreamConsumer(AsyncJsonWebsocketConsumer):
         self.outbox: asyncio.Queue = asyncio.Queue(maxsize=SOCKET_QUEUE_FRAMES)
         self.sender = asyncio.create_task(self._send_loop())
         await self.channel_layer.group_add(self.group, self.channel_name)
+        await database_sync_to_async(interest_register)(self.group)
+        self.renewer = asyncio.create_task(self._renew_interest())
         await self.accept()
+
+    async def _renew_interest(self) -> None:
+        while True:
+            await asyncio.sleep(INTEREST_TTL_S / 3)
+            await database_sync_to_async(interest_register)(self.group)
 
     def group_for(self, kwargs: dict) -> str:
         return TIMELINE_GROUP
@@ -48,6 +58,7 @@ class EventStreamConsumer(AsyncJsonWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         if hasattr(self, "sender"):
             self.sender.cancel()
+            self.renewer.cancel()
             await self.channel_layer.group_discard(self.group, self.channel_name)
 
     async def a2a_events(self, message: dict) -> None:

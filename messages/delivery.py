@@ -142,13 +142,22 @@ def held_release(*, agent_ids: Iterable[str], now: datetime) -> tuple[list[int],
 
     publish: list[int] = []
     changes: list[Change] = []
+    agent_ids = set(agent_ids)
     capacities = capacities_lock(agent_ids)
-    for agent_id, capacity in capacities.agents.items():
+    # An agent that left the roster has no capacity row: its held work must still end.
+    gone = {a: AgentCapacity(max_inflight=0, held=1) for a in agent_ids - set(capacities.agents)}
+    sent = frozenset({Status.SENT})
+    for agent_id, capacity in {**capacities.agents, **gone}.items():
         if not capacity.held:
             continue
         held = Message.objects.filter(direction=Direction.SEND, to_agent_id=agent_id, held=True,
                                       message_type="TASK_REQUEST",
                                       status=Status.SENT).order_by("created_at", "id")
+        late = "the task's deadline (timeoutMs) passed while it was held"
+        changes += [Change(pk=pk, to=Status.EXPIRED, allowed=sent, actor="sweeper", reason=late,
+                           fields={"error": late, "finished_at": now, "held": False})
+                    for pk in held.filter(deadline_at__lte=now).values_list("pk", flat=True)]
+        held = held.exclude(deadline_at__lte=now)
         resolution = resolve_agent_node(to_agent_id=agent_id, now=now)
         if not resolution.ok:
             reason = f"held for {agent_id}, which can no longer take work: {resolution.reason}"

@@ -13,11 +13,14 @@ import asyncio
 import hashlib
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
+from django.core.cache import cache
 from django.db import transaction
 
 from messages.models import FAILURE_STATUSES, Message
@@ -89,6 +92,38 @@ def message_events(message: Message, *, previous: str, reason: str = "") -> list
     return events
 
 
+ALWAYS_SENT = frozenset({TIMELINE_GROUP, SKILL_PROGRESS_GROUP})
+INTEREST_PREFIX = "ws-interest:"
+INTEREST_TTL_S = 120
+_interest_cache: dict[str, tuple[float, bool]] = {}
+INTEREST_CACHE_S = 1.0
+
+
+def interest_register(group: str) -> None:
+    """A socket listens to a conversation's (scene's, session's) group: say so, for the
+    publisher. Sockets renew it while they stay connected."""
+    if group not in ALWAYS_SENT:
+        cache.set(INTEREST_PREFIX + group, 1, timeout=INTEREST_TTL_S)
+
+
+def interest_in(groups: list[str]) -> set[str]:
+    """Which of these scoped groups have a listener. Sending a frame to a group nobody
+    listens to costs a channel-layer call per conversation; with many conversations on the
+    bus that was most of the event cost per message (docs/performance.md). Answers are
+    reused for a second, so a new listener may miss up to a second of pushes (pages re-read
+    the table anyway)."""
+    now = time.monotonic()
+    known = {g: v for g in groups
+             if (v := _interest_cache.get(g)) and now - v[0] < INTEREST_CACHE_S}
+    unknown = [g for g in groups if g not in known]
+    if unknown:
+        found = cache.get_many([INTEREST_PREFIX + g for g in unknown])
+        for g in unknown:
+            known[g] = (now, INTEREST_PREFIX + g in found)
+            _interest_cache[g] = known[g]
+    return {g for g, (_, listened) in known.items() if listened}
+
+
 class EventPublisher:
     """Hands batches of events to the channel layer from one event loop."""
 
@@ -145,7 +180,11 @@ class EventPublisher:
         layer = get_channel_layer()
         if layer is None:
             return
+        listened = await sync_to_async(interest_in, thread_sensitive=False)(
+            [g for g in frames if g not in ALWAYS_SENT])
         for group, events in frames.items():
+            if group not in ALWAYS_SENT and group not in listened:
+                continue
             for start in range(0, len(events), MAX_EVENTS_PER_FRAME):
                 chunk = events[start : start + MAX_EVENTS_PER_FRAME]
                 try:

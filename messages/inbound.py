@@ -37,11 +37,13 @@ log = logging.getLogger(__name__)
 MT = protocol.MessageType
 
 # Where an acknowledgement or response may move a row from.
-# An ACK also stops a retry that was only scheduled; a response completes any attempt, even
-# one that already gave up waiting: the work was done, and the record says so.
-ACKABLE = frozenset({Status.SENT, Status.PUBLISHED, Status.OBSERVED, Status.RETRYING})
+# An ACK also stops a retry that was only scheduled, and corrects a FAILED that only meant
+# "the broker seemed not to take it"; a response completes any attempt, even one that had
+# given up waiting: the work was done, and the record says so.
+ACKABLE = frozenset({Status.SENT, Status.PUBLISHED, Status.OBSERVED, Status.RETRYING,
+                     Status.FAILED})
 ANSWERABLE = frozenset({Status.SENT, Status.PUBLISHED, Status.ACKED, Status.OBSERVED,
-                        Status.RETRYING, Status.RETRIED, Status.EXPIRED})
+                        Status.RETRYING, Status.RETRIED, Status.EXPIRED, Status.FAILED})
 _last_logged: dict[str, float] = {}
 
 

@@ -3,6 +3,7 @@ publish by the bridge. PROTOCOL.md "Outbound state machine"."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -16,7 +17,7 @@ from django.db import transaction
 from django.db.models import Count
 from django.utils import timezone
 
-from directory.resolver import Resolution, resolve, resolve_agent_node
+from directory.resolver import Resolution, is_local_agent, resolve, resolve_agent_node
 from directory.routing import group_members, isolation_refusal, namespace_of, route_capability
 from messages import protocol
 from messages.delivery import (
@@ -244,15 +245,17 @@ def _send_prepared(prepared: list[tuple[Message, Resolution]], *, actor: str, by
     the primary keys to publish after commit, and the events."""
     capacities = capacities_lock(res.agent_id for _, res in prepared if res.ok and not res.local)
     rows, publish, events, firsts = [], [], [], []
-    for row, resolution in prepared:
+    for row, _ in prepared:
         row.save(force_insert=True)
         firsts.append(Transition(message=row, from_status="", to_status=row.status,
                                  at=row.created_at, reason=f"to {row.resolution['target']}",
                                  actor=actor, by=by))
         events += message_events(row, previous="")
-        events += _dispatch(row, resolution, capacities, actor=actor, now=now, publish=publish)
         rows.append(row)
+    # The first step of every trace is written before the steps that follow it.
     Transition.objects.bulk_create(firsts)
+    for row, resolution in prepared:
+        events += _dispatch(row, resolution, capacities, actor=actor, now=now, publish=publish)
     return rows, publish, events
 
 
@@ -291,7 +294,9 @@ def _request_row(request: SendRequest, *, to_agent_id: str, now: datetime) -> Me
 def _dispatch(row: Message, resolution: Resolution, capacities: Capacities, *, actor: str,
               now: datetime, publish: list[int]) -> list[dict]:
     """Move a fresh SENT row on: consumed here, undeliverable, BUSY, held, or published."""
-    if resolution.local:
+    # However it was reached (id, capability, mention), a console agent answers in-process.
+    if resolution.local or (resolution.ok and is_local_agent(resolution.agent_id)
+                            and resolution.node_id == settings.REACH_NODE_ID):
         return _consume_locally(row, now=now, actor=actor)
     if not resolution.ok:
         reason = undeliverable_reason(resolution)
@@ -335,8 +340,10 @@ def messages_send_group(*, group: str, request: SendRequest, actor: str = "api",
                                          outcome="not_found")))
     for member in live:
         # Each member executes its own copy: its own idempotency key within the task.
-        row = _request_row(replace(request, task_id=task_id,
-                                   idempotency_key=f"{task_id}:{member.agent_id}"),
+        member_key = f"{task_id}:{member.agent_id}"
+        if len(member_key) > 200:  # the column's size; a digest keeps it unique per member
+            member_key = f"{task_id[:100]}:{hashlib.sha256(member_key.encode()).hexdigest()}"
+        row = _request_row(replace(request, task_id=task_id, idempotency_key=member_key),
                            to_agent_id=member.agent_id, now=now)
         row.resolution = {"target": label, "level": "group", "reason": f"member of {label}",
                           "candidates": candidates}
@@ -454,6 +461,8 @@ def reply_row(*, to: Message, message_type: str, payload: Any, now: datetime,
         headers=headers, payload=payload,
         in_reply_to=headers.get("inReplyTo") or headers.get("ackFor") or "",
         created_at=now, updated_at=now,
+        # Not answered itself, but published again by the sweep if it is still SENT then.
+        ack_deadline_at=ack_deadline(now),
     )
 
 
@@ -490,8 +499,8 @@ def message_resend(*, message_id: str, by: str, new_idempotency_key: bool = Fals
         raise SendRefused(f"{message_id} is {previous.status}; only {allowed} messages are "
                           "resent (the others are still under way or done)",
                           code="not_resendable", status=409)
-    key = f"{previous.task_id}:re-{uuid.uuid4().hex[:8]}" if new_idempotency_key else (
-        previous.idempotency_key)
+    key = (f"{previous.task_id[:180]}:re-{uuid.uuid4().hex[:8]}" if new_idempotency_key
+           else previous.idempotency_key)
     request = _request_again(previous, attempt=1, idempotency_key=key)
     if request.to.startswith("#"):  # one member of a group: that member again
         request = replace(request, to=previous.to_agent_id)

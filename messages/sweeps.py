@@ -15,7 +15,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from messages.delivery import held_release, retry_or_give_up
+from messages.delivery import ack_deadline, held_release, retry_or_give_up
 from messages.events import events_on_commit
 from messages.models import Direction, Message, Status
 from messages.outbound import message_next_attempt, publish_request
@@ -100,7 +100,7 @@ def deliveries_sweep(*, now: datetime | None = None) -> SweepResult:
     would hold message and agent locks that the bridge needs."""
     now = now or timezone.now()
     result = SweepResult()
-    for step in (_overdue, _due, _release_held):
+    for step in (_overdue, _due, _release_held, _unpublished_replies):
         # A step retried after a deadlock starts from a fresh tally.
         part = atomic_retrying(lambda step=step: _run_step(step, now))
         result.retrying += part.retrying
@@ -126,3 +126,20 @@ def _release_held(now: datetime, result: SweepResult) -> list[dict]:
     result.released += len(publish)
     result.publish += publish
     return changes_apply(undeliverable, now=now).events
+
+
+def _unpublished_replies(now: datetime, result: SweepResult) -> list[dict]:
+    """The console's own ACKs and responses that the broker never took (the worker died
+    between commit and publish, or paho could not queue them): publish them again. A
+    receiver treats a repeated answer as the same answer."""
+    pks = list(
+        Message.objects.select_for_update(skip_locked=True)
+        .filter(direction=Direction.SEND, status=Status.SENT, ack_deadline_at__lt=now)
+        .exclude(message_type="TASK_REQUEST")
+        .order_by("ack_deadline_at").values_list("pk", flat=True)[:SWEEP_BATCH]
+    )
+    if pks:
+        Message.objects.filter(pk__in=pks, status=Status.SENT).update(
+            ack_deadline_at=ack_deadline(now))
+        result.publish += pks
+    return []

@@ -36,8 +36,8 @@ class RegisterIn(Schema):
 
 class HeartbeatIn(Schema):
     node_id: str | None = Field(None, alias="nodeId", max_length=200)
-    inflight: int | None = Field(None, ge=0)
-    queue_depth: int | None = Field(None, alias="queueDepth", ge=0)
+    inflight: int | None = Field(None, ge=0, le=10_000_000)
+    queue_depth: int | None = Field(None, alias="queueDepth", ge=0, le=10_000_000)
 
 
 class LeaseOut(Schema):

@@ -268,3 +268,56 @@ def test_a_duplicate_from_another_instance_is_acked_not_run():
                                   idempotency_key=key).count() == 1
     ack = Message.objects.get(in_reply_to=second.message_id)
     assert ack.payload == {"duplicate": True}
+
+
+def test_held_work_of_an_agent_that_left_the_roster_ends(now):
+    register("fin.tax", "node-b", max_inflight=1, now=now)
+    message_send(request=SendRequest(to="fin.tax"))
+    held = message_send(request=SendRequest(to="fin.tax"))
+    services.agent_deregister(agent_id="fin.tax")
+    deliveries_sweep()
+    held.refresh_from_db()
+    assert held.status == Status.UNDELIVERABLE and not held.held
+    assert "no agent fin.tax is on the roster" in held.error
+
+
+def test_held_work_past_its_deadline_expires(now):
+    register("fin.tax", "node-b", max_inflight=1, now=now)
+    message_send(request=SendRequest(to="fin.tax"), now=now)
+    held = message_send(request=SendRequest(to="fin.tax", timeout_ms=500), now=now)
+    deliveries_sweep(now=now + timedelta(seconds=1))
+    held.refresh_from_db()
+    assert held.status == Status.EXPIRED and "while it was held" in held.error
+
+
+def test_a_console_agent_reached_by_capability_is_consumed_here(settings):
+    register("ops.probe", settings.REACH_NODE_ID, capabilities=["probe"])
+    row = message_send(request=SendRequest(to="capability:probe", from_agent_id="ops.me"))
+    assert row.status == Status.LOCAL_CONSUMED
+
+
+def test_an_answer_the_broker_never_took_is_published_again(now):
+    env = protocol.new_envelope(message_type=MT.TASK_REQUEST, from_agent_id="fin.tax",
+                                to_agent_id="ops.probe", headers={"replyNodeId": "node-b"})
+    result = messages_ingest(batch=[Incoming(protocol.inbox_topic("ooder", "console"),
+                                             protocol.encode(env))],
+                             node_id="console", prefix="ooder", now=now)
+    assert len(result.to_publish) == 2  # ACK and TASK_RESPONSE, never handed to a bridge
+    sweep = deliveries_sweep(now=now + timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS + 1))
+    assert sorted(sweep.publish) == sorted(result.to_publish)
+    again = deliveries_sweep(now=now + timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS + 2))
+    assert again.publish == []  # not every sweep: once per ack timeout
+
+
+def test_the_trace_starts_with_the_first_step():
+    row = message_send(request=SendRequest(to="fin.nobody"))
+    steps = list(row.transitions.values_list("from_status", "to_status"))
+    assert steps == [("", "SENT"), ("SENT", "UNDELIVERABLE")]
+
+
+def test_absurd_load_figures_are_refused_not_a_500(api):
+    register("fin.tax", "node-b")
+    r = api.post("/api/roster/agents/fin.tax/heartbeat", {"inflight": 10**20})
+    assert r.status_code == 422 and r.json()["error"] == "invalid_request"
+    long = api.post("/api/a2a/send", {"to": "fin.tax", "taskId": "t" * 121})
+    assert long.status_code == 422

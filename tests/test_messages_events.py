@@ -19,6 +19,8 @@ from messages.events import (
     SKILL_PROGRESS_GROUP,
     TIMELINE_GROUP,
     conversation_group,
+    interest_in,
+    interest_register,
     publisher,
 )
 from messages.outbound import SendRequest, message_send
@@ -39,11 +41,17 @@ def run(coro_fn):
 
 
 async def _listen(*groups: str) -> str:
+    """Join groups the way a socket does: the group, and the interest the publisher reads."""
     layer = get_channel_layer()
     publisher.bind_loop(asyncio.get_running_loop())
     channel = await layer.new_channel()
     for group in groups:
         await layer.group_add(group, channel)
+        await sync_to_async(interest_register)(group)
+        # Redis pub/sub subscribes asynchronously: a probe that comes back proves the
+        # subscription is live before the test sends what it means to receive.
+        await layer.group_send(group, {"type": "probe"})
+        assert (await asyncio.wait_for(layer.receive(channel), 5))["type"] == "probe"
     return channel
 
 
@@ -139,3 +147,22 @@ def test_the_socket_refuses_anonymous_users_and_foreign_origins():
     foreign = run(foreign_attempt)
     assert anonymous == (False, 4401)
     assert foreign[0] is False
+
+
+def test_a_conversation_nobody_listens_to_gets_no_frame(bound_loop):
+    """Frames go to the timeline always, to a conversation only while a socket listens."""
+    async def scenario():
+        layer = get_channel_layer()
+        channel = await _listen(TIMELINE_GROUP)
+        quiet = await layer.new_channel()
+        await layer.group_add(conversation_group("c-quiet"), quiet)  # joined, not registered
+        await sync_to_async(message_send)(
+            request=SendRequest(to="fin.gone", conversation_id="c-quiet"))
+        frame = await asyncio.wait_for(layer.receive(channel), 5)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(layer.receive(quiet), 0.5)
+        return frame
+
+    frame = run(scenario)
+    assert frame["events"][-1]["event"] == EVENT_FAILED
+    assert interest_in([conversation_group("c-quiet")]) == set()
