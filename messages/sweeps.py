@@ -9,7 +9,7 @@ and the rows wait for the next sweep.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from messages.delivery import ack_deadline, held_release, retry_or_give_up
 from messages.events import events_on_commit
-from messages.models import Direction, Message, Status
+from messages.models import Direction, Message, Status, Transition
 from messages.outbound import message_next_attempt, publish_request
 from messages.state import Change, atomic_retrying, changes_apply
 
@@ -143,3 +143,26 @@ def _unpublished_replies(now: datetime, result: SweepResult) -> list[dict]:
             ack_deadline_at=ack_deadline(now))
         result.publish += pks
     return []
+
+
+PRUNE_BATCH = 2000
+
+
+def messages_prune(*, now: datetime | None = None, max_batches: int = 50) -> int:
+    """Delete messages (and their transitions) older than REACH_RETENTION_DAYS, oldest
+    first, a bounded batch at a time along the created_at index. Returns how many went."""
+    days = settings.REACH_RETENTION_DAYS
+    if days <= 0:
+        return 0
+    cutoff = (now or timezone.now()) - timedelta(days=days)
+    deleted = 0
+    for _ in range(max_batches):
+        with transaction.atomic():
+            pks = list(Message.objects.filter(created_at__lt=cutoff).order_by("created_at")
+                       .values_list("pk", flat=True)[:PRUNE_BATCH])
+            if not pks:
+                break
+            Message.objects.filter(resend_of__in=pks).update(resend_of=None)
+            Transition.objects.filter(message_id__in=pks).delete()
+            deleted += Message.objects.filter(pk__in=pks).delete()[1].get("a2a.Message", 0)
+    return deleted

@@ -26,3 +26,10 @@ def deliveries_sweep() -> dict[str, int]:
     result = sweep()
     return {"retrying": result.retrying, "given_up": result.given_up,
             "attempts": result.attempts, "released": result.released}
+
+
+@shared_task(name="messages.tasks.messages_prune", ignore_result=True)
+def messages_prune() -> int:
+    from messages.sweeps import messages_prune as prune
+
+    return prune()

@@ -159,6 +159,8 @@ REACH_RETRY_SWEEP_S = env_float("REACH_RETRY_SWEEP_S", 0.5, minimum=0.05)
 # The retry-storm guard: transmissions of one task id per window, across the console.
 REACH_TASK_MAX_SENDS = env_int("REACH_TASK_MAX_SENDS", 5, minimum=1)
 REACH_TASK_WINDOW_S = env_int("REACH_TASK_WINDOW_S", 60, minimum=1)
+# The message table is pruned by age (0 keeps everything).
+REACH_RETENTION_DAYS = env_int("REACH_RETENTION_DAYS", 14, minimum=0)
 # Backpressure: messages held for one agent before sends to it answer BUSY at once.
 REACH_QUEUE_LIMIT = env_int("REACH_QUEUE_LIMIT", 1000, minimum=1)
 REACH_MONITOR = env_bool("REACH_MONITOR", True)
@@ -191,6 +193,7 @@ CELERY_BEAT_SCHEDULE = {
     "nodes-sweep": {"task": "roster.tasks.nodes_sweep", "schedule": max(REACH_LEASE_SWEEP_S, 2)},
     "deliveries-sweep": {"task": "messages.tasks.deliveries_sweep",
                          "schedule": REACH_RETRY_SWEEP_S},
+    "messages-prune": {"task": "messages.tasks.messages_prune", "schedule": 3600},
 }
 
 # --- northbound API auth ------------------------------------------------------------------
@@ -199,6 +202,8 @@ REACH_TRUSTED_SOURCES = frozenset(
     env_list("REACH_TRUSTED_SOURCES", "studio,aiserver,bpm-server,scene-engine,im-ai")
 )
 
+REACH_LOGIN_MAX_FAILURES = env_int("REACH_LOGIN_MAX_FAILURES", 5, minimum=1)
+REACH_LOGIN_LOCKOUT_S = env_int("REACH_LOGIN_LOCKOUT_S", 300, minimum=1)
 REACH_ADMIN_USER = env_str("REACH_ADMIN_USER", "admin")
 REACH_ADMIN_PASSWORD = env_str("REACH_ADMIN_PASSWORD")
 

@@ -4,12 +4,13 @@ from django.urls import include, path
 
 from reachconsole import health
 from reachconsole.api import api
+from reachconsole.login import ThrottledLoginView
 
 urlpatterns = [
     path("", include("roster.urls")),
     path("directory/", include("directory.urls")),
     path("messages/", include("messages.urls")),
-    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/login/", ThrottledLoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("api/", api.urls),

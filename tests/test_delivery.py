@@ -321,3 +321,19 @@ def test_absurd_load_figures_are_refused_not_a_500(api):
     assert r.status_code == 422 and r.json()["error"] == "invalid_request"
     long = api.post("/api/a2a/send", {"to": "fin.tax", "taskId": "t" * 121})
     assert long.status_code == 422
+
+
+def test_old_messages_are_pruned_by_age(now, settings):
+    settings.REACH_RETENTION_DAYS = 7
+    old = message_send(request=SendRequest(to="fin.nobody"), now=now - timedelta(days=8))
+    retry = message_send(request=SendRequest(to="fin.nobody", task_id=old.task_id),
+                         now=now - timedelta(days=1))
+    Message.objects.filter(pk=retry.pk).update(resend_of=old)
+    recent = message_send(request=SendRequest(to="fin.nobody"), now=now)
+    from messages.sweeps import messages_prune
+
+    assert messages_prune(now=now) == 1
+    assert set(Message.objects.values_list("pk", flat=True)) == {retry.pk, recent.pk}
+    assert Message.objects.get(pk=retry.pk).resend_of_id is None
+    settings.REACH_RETENTION_DAYS = 0
+    assert messages_prune(now=now + timedelta(days=30)) == 0
