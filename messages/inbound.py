@@ -68,9 +68,48 @@ class IngestResult:
     counts: Counter = field(default_factory=Counter)
 
 
-def _row(env: protocol.Envelope, *, topic: str, direction: str, now: datetime) -> Message:
-    headers = env.headers
-    return Message(
+@dataclass(slots=True)
+class ReceivedRow:
+    """An inbound message on its way into `a2a_message`: the table's columns as plain
+    attributes. A Django model instance per message was the largest single cost of ingest
+    (docs/performance.md); the insert, the events and the rules only read attributes."""
+
+    message_id: str
+    task_id: str
+    idempotency_key: str
+    message_type: str
+    direction: str
+    status: str
+    from_agent_id: str
+    to_agent_id: str
+    target_node_id: str
+    origin_node_id: str
+    reply_node_id: str
+    conversation_id: str
+    scene_group_id: str
+    session_id: str
+    topic: str
+    headers: dict
+    payload: object
+    attempt: int
+    in_reply_to: str
+    created_at: datetime
+    updated_at: datetime
+    error: str = ""
+    resolution: dict | None = None
+    resend_of_id: int | None = None
+    published_at: datetime | None = None
+    acked_at: datetime | None = None
+    finished_at: datetime | None = None
+    deadline_at: datetime | None = None
+    ack_deadline_at: datetime | None = None
+    next_attempt_at: datetime | None = None
+    held: bool = False
+    pk: int | None = None
+
+
+def _row(env: protocol.Envelope, *, topic: str, direction: str, now: datetime) -> ReceivedRow:
+    return ReceivedRow(
         message_id=env.message_id, task_id=(env.task_id or "")[:200],
         idempotency_key=env.idempotency_key[:200], message_type=env.message_type.value,
         direction=direction, status=Status.RECV if direction == Direction.RECV else Status.OBSERVED,
@@ -80,7 +119,7 @@ def _row(env: protocol.Envelope, *, topic: str, direction: str, now: datetime) -
         reply_node_id=(env.reply_node_id or "")[:128],
         conversation_id=(env.conversation_id or "")[:200],
         scene_group_id=(env.scene_group_id or "")[:200], session_id=(env.session_id or "")[:200],
-        topic=topic[:300], headers=headers, payload=env.payload, attempt=env.attempt,
+        topic=topic[:300], headers=env.headers, payload=env.payload, attempt=env.attempt,
         # The message this one answers: a response's inReplyTo, an ACK/NACK/BUSY's ackFor.
         in_reply_to=(env.in_reply_to or env.ack_for or "")[:200], created_at=now,
         updated_at=now,
@@ -98,7 +137,7 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
     now = now or timezone.now()
     result = IngestResult()
     counts = result.counts
-    rows: list[Message] = []
+    rows: list[ReceivedRow] = []
     heartbeats: list[tuple[str, protocol.Envelope]] = []
     for item in batch:
         match = protocol.parse_topic(prefix, item.topic)
@@ -139,7 +178,7 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
     return result
 
 
-def _ingest_rows(rows: list[Message], *, node_id: str, now: datetime, result: IngestResult,
+def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result: IngestResult,
                  claims: list[tuple[str, str]]) -> None:
     if not rows:
         return
@@ -217,8 +256,8 @@ def _heartbeat(node_id: str, env: protocol.Envelope, *, now: datetime, counts: C
     counts["heartbeat_conflicts"] += len(outcome.conflicts)
 
 
-def _split_duplicates(rows: list[Message], *, node_id: str,
-                      claims: list[tuple[str, str]]) -> tuple[list[Message], list[Message]]:
+def _split_duplicates(rows: list[ReceivedRow], *, node_id: str, claims: list[tuple[str, str]]
+                      ) -> tuple[list[ReceivedRow], list[ReceivedRow]]:
     """TASK_REQUESTs to this node whose work another transmission already claimed in the
     idempotency window (messages/idempotency.py). Keys claimed here are added to `claims`
     so the caller can give them back if the batch does not commit."""
@@ -234,7 +273,7 @@ def _split_duplicates(rows: list[Message], *, node_id: str,
     return duplicates, keep
 
 
-def _act(row: Message, *, changes: list[Change], replies: list[Message], now: datetime) -> None:
+def _act(row: ReceivedRow, *, changes: list[Change], replies: list[Message], now: datetime) -> None:
     kind = row.message_type
     headers = row.headers or {}
     payload = row.payload if isinstance(row.payload, dict) else {}
@@ -277,7 +316,7 @@ def _act(row: Message, *, changes: list[Change], replies: list[Message], now: da
             replies.append(ack)
 
 
-def _request_to_console(row: Message, *, changes: list[Change], replies: list[Message],
+def _request_to_console(row: ReceivedRow, *, changes: list[Change], replies: list[Message],
                         now: datetime) -> None:
     handler = LOCAL_HANDLERS.get(row.to_agent_id)
     ack_headers = {"ackFor": row.message_id}

@@ -441,7 +441,7 @@ def _consume_locally(row: Message, *, now: datetime, actor: str) -> list[dict]:
     return events + message_events(response, previous="")
 
 
-def reply_row(*, to: Message, message_type: str, payload: Any, now: datetime,
+def reply_row(*, to: Any, message_type: str, payload: Any, now: datetime,
               extra_headers: dict | None = None) -> Message | None:
     """An ACK/NACK/TASK_RESPONSE answering `to`, addressed to its reply node; None when the
     sender left no way to answer (no replyNodeId)."""

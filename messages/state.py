@@ -66,7 +66,8 @@ def messages_insert_new(rows: list[Message]) -> list[Message]:
     for message_id, pk in inserted.items():
         row = unique[message_id]
         row.pk = pk
-        row._state.adding = False
+        if hasattr(row, "_state"):  # a model instance, not a ReceivedRow
+            row._state.adding = False
         fresh.append(row)
     return fresh
 
