@@ -71,3 +71,34 @@ def later(moment: datetime, ms: int) -> datetime:
 def expect_real_services() -> bool:
     """CI's second run sets this: PostgreSQL, Redis and Mosquitto must really be in use."""
     return os.environ.get("REACH_EXPECT_REAL_SERVICES") == "1"
+
+
+def run_at_once(work, *, threads: int = 2, timeout: float = 60) -> list:
+    """Run `work()` in several threads released together (each on its own database
+    connection); return their results, or raise the first error one of them hit."""
+    import threading
+
+    from django.db import close_old_connections, connection
+
+    barrier = threading.Barrier(threads)
+    results, errors = [], []
+
+    def run() -> None:
+        try:
+            barrier.wait()
+            results.append(work())
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    workers = [threading.Thread(target=run) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout)
+    close_old_connections()
+    if errors:
+        raise errors[0]
+    assert len(results) == threads, "a worker did not finish in time"
+    return results

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import random
-import threading
 import uuid
 from datetime import timedelta
 
 import pytest
 from django.conf import settings
-from django.db import close_old_connections, connection, transaction
+from django.db import transaction
 
 from messages import protocol
 from messages.delivery import retry_delay_ms
@@ -21,7 +20,7 @@ from messages.state import Change, changes_apply
 from messages.sweeps import deliveries_sweep
 from reachconsole.models import AuditEntry
 from roster import services
-from tests.conftest import register
+from tests.conftest import register, run_at_once
 
 pytestmark = pytest.mark.django_db
 MT = protocol.MessageType
@@ -138,25 +137,7 @@ def test_two_sweepers_never_send_the_same_attempt(now):
             for _ in range(30)]
     Message.objects.filter(pk__in=[r.pk for r in rows]).update(
         status=Status.RETRYING, next_attempt_at=now, held=False)
-    barrier = threading.Barrier(2)
-    results, errors = [], []
-
-    def sweep():
-        try:
-            barrier.wait()
-            results.append(deliveries_sweep(now=now + timedelta(milliseconds=1)))
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=sweep) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    close_old_connections()
-    assert errors == []
+    results = run_at_once(lambda: deliveries_sweep(now=now + timedelta(milliseconds=1)))
     assert sum(r.attempts for r in results) == 30
     assert Message.objects.filter(attempt=2).count() == 30
     assert Message.objects.filter(status=Status.RETRIED).count() == 30

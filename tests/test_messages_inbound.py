@@ -11,7 +11,7 @@ from messages import protocol
 from messages.inbound import Incoming, messages_ingest
 from messages.models import Direction, Message, Status, Transition
 from roster.models import Agent, ClusterNode, RosterEvent
-from tests.conftest import register
+from tests.conftest import register, run_at_once
 
 pytestmark = pytest.mark.django_db
 MT = protocol.MessageType
@@ -221,3 +221,14 @@ def test_monitor_mode_records_traffic_between_others_with_outcomes():
     row = Message.objects.get(message_id=env.message_id)
     assert row.direction == Direction.OBSERVED and row.status == Status.ACKED
     assert Message.objects.get(message_id=ack.message_id).status == Status.OBSERVED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sixteen_writers_of_one_message_make_one_row_and_one_actor():
+    env = request("ops.probe")  # a console-local request: acting twice would run it twice
+    data = wire(env)
+    results = run_at_once(lambda: ingest((inbox(), data)), threads=16)
+    assert sum(r.stored for r in results) == 1
+    assert Message.objects.filter(message_id=env.message_id).count() == 1
+    assert sum(len(r.to_publish) for r in results) == 2  # one ACK, one response
+    assert Message.objects.filter(message_type="TASK_RESPONSE").count() == 1

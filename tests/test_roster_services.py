@@ -1,14 +1,11 @@
 from __future__ import annotations
 
-import threading
-
 import pytest
-from django.db import close_old_connections, connection
 
 from roster import services
 from roster.errors import AgentHeldElsewhere, AgentNotFound, InvalidAgentId, InvalidField, WrongNode
 from roster.models import Agent, ClusterNode, RosterEvent
-from tests.conftest import later, register
+from tests.conftest import later, register, run_at_once
 
 pytestmark = pytest.mark.django_db
 
@@ -162,27 +159,7 @@ def test_it_changes_nothing_twice_when_two_sweeps_race(now, settings):
         register(f"fin.d{i}", now=now)
         services.agent_drain(agent_id=f"fin.d{i}", now=now)
     moment = later(now, settings.REACH_LEASE_TTL_MS + 1)
-    barrier = threading.Barrier(2)
-    results: list[services.ExpiryCounts] = []
-    errors: list[BaseException] = []
-
-    def sweep() -> None:
-        try:
-            barrier.wait()
-            results.append(services.leases_expire(now=moment))
-        except BaseException as exc:  # surfaced in the assertion below
-            errors.append(exc)
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=sweep) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    close_old_connections()
-
-    assert errors == []
+    results = run_at_once(lambda: services.leases_expire(now=moment))
     assert sum(r.offline for r in results) == 60
     assert sum(r.removed for r in results) == 20
     assert RosterEvent.objects.filter(kind="EXPIRED").count() == 60
