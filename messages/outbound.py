@@ -181,25 +181,26 @@ def messages_send(*, requests: list[SendRequest], actor: str = "api", by: str = 
             if not skip_refused:
                 raise
             refused.append((request, exc))
-    prepared, storm = _storm_guard(prepared, now=now)
-    for row, exc in storm:
-        counters_add({"storm_refused": 1})
-        if not skip_refused:
-            raise exc
-        refused.append((SendRequest(to=row.to_agent_id, task_id=row.task_id), exc))
-    rows = atomic_retrying(lambda: _send_and_publish(prepared, actor=actor, by=by, now=now))
+    storm: list[tuple[Message, SendRefused]] = []
+    rows = atomic_retrying(lambda: _send_and_publish(
+        prepared, actor=actor, by=by, now=now, refused=storm if skip_refused else None))
+    refused += [(SendRequest(to=row.to_agent_id, task_id=row.task_id), exc)
+                for row, exc in storm]
     return Sent(rows=rows, refused=refused)
 
 
 def _send_and_publish(prepared: list[tuple[Message, Resolution]], *, actor: str, by: str,
-                      now: datetime) -> list[Message]:
+                      now: datetime, refused: list | None = None) -> list[Message]:
     """Inside a transaction: write and route the rows; events and publishing after commit."""
+    if refused is not None:
+        refused.clear()  # a retried transaction judges the storm guard again
     for row, _ in prepared:
         # A retried transaction starts from the prepared row again.
         row.pk, row._state.adding = None, True
         row.status, row.held, row.ack_deadline_at = Status.SENT, False, None
         row.error, row.finished_at = "", None
-    rows, publish, events = _send_prepared(prepared, actor=actor, by=by, now=now)
+    rows, publish, events = _send_prepared(prepared, actor=actor, by=by, now=now,
+                                           refused=refused)
     events_on_commit(events)
     if publish:
         transaction.on_commit(lambda: publish_request(publish))
@@ -240,10 +241,20 @@ def _storm_guard(prepared: list[tuple[Message, Resolution]], *, now: datetime):
 
 
 def _send_prepared(prepared: list[tuple[Message, Resolution]], *, actor: str, by: str,
-                   now: datetime) -> tuple[list[Message], list[int], list[dict]]:
+                   now: datetime, refused: list | None = None
+                   ) -> tuple[list[Message], list[int], list[dict]]:
     """Write the rows and move each on. Runs in the caller's transaction; returns the rows,
-    the primary keys to publish after commit, and the events."""
+    the primary keys to publish after commit, and the events. A row the retry-storm guard
+    refuses raises SendRefused, or with a `refused` list is left out and added to it."""
     capacities = capacities_lock(res.agent_id for _, res in prepared if res.ok and not res.local)
+    # Counted under the agents' row locks: concurrent sends of one task to one agent queue
+    # here, so each sees the others' rows and the guard cannot be raced.
+    prepared, storm = _storm_guard(prepared, now=now)
+    for row, exc in storm:
+        counters_add({"storm_refused": 1})
+        if refused is None:
+            raise exc
+        refused.append((row, exc))
     rows, publish, events, firsts = [], [], [], []
     for row, _ in prepared:
         row.save(force_insert=True)
@@ -349,9 +360,6 @@ def messages_send_group(*, group: str, request: SendRequest, actor: str = "api",
                           "candidates": candidates}
         prepared.append((row, Resolution(member.agent_id, member.node_id, "group", "member",
                                          [member])))
-    prepared, storm = _storm_guard(prepared, now=now)
-    if storm:
-        raise storm[0][1]
     return atomic_retrying(lambda: _send_and_publish(prepared, actor=actor, by=by, now=now))
 
 
@@ -389,11 +397,11 @@ def message_next_attempt(
         return None, [], [], exc.detail
     row.deadline_at = previous.deadline_at  # the task's deadline, not a new one
     row.resolution["target"] = target
-    kept, storm = _storm_guard([(row, resolution)], now=now)
+    storm: list[tuple[Message, SendRefused]] = []
+    rows, publish, events = _send_prepared([(row, resolution)], actor=actor, by="", now=now,
+                                           refused=storm)
     if storm:
-        counters_add({"storm_refused": 1})
         return None, [], [], storm[0][1].detail
-    rows, publish, events = _send_prepared(kept, actor=actor, by="", now=now)
     return rows[0], publish, events, ""
 
 

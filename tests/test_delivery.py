@@ -318,3 +318,18 @@ def test_old_messages_are_pruned_by_age(now, settings):
     assert Message.objects.get(pk=retry.pk).resend_of_id is None
     settings.REACH_RETENTION_DAYS = 0
     assert messages_prune(now=now + timedelta(days=30)) == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_storm_guard_holds_against_concurrent_sends(now):
+    register("fin.tax", "node-b", now=now)
+
+    def send_one():
+        try:
+            return message_send(request=SendRequest(to="fin.tax", task_id="race-1")).status
+        except SendRefused as exc:
+            return exc.code
+
+    outcomes = run_at_once(send_one, threads=8)
+    assert sorted(outcomes).count("retry_storm") == 3
+    assert Message.objects.filter(task_id="race-1").count() == 5
