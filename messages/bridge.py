@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 import paho.mqtt.client as mqtt
 import redis.exceptions
 from django.conf import settings
+from django.core.cache import cache
 from django.db import (
     DatabaseError,
     InterfaceError,
@@ -49,6 +50,9 @@ from roster.services import agent_register, heartbeat_record
 log = logging.getLogger(__name__)
 
 QUEUE_LIMIT = 20_000
+BROKER_DROPPED_TOPIC = "$SYS/broker/publish/messages/dropped"
+BROKER_DROPS_KEY = "broker-drops"
+BROKER_DROPS_ALARM_S = 3600  # how long the pages show the alarm after the last drop
 RETRY_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 # The database or the cache (Redis: the idempotency window) is down: wait, don't skip.
 INFRA_DOWN = (OperationalError, InterfaceError, redis.exceptions.ConnectionError,
@@ -119,6 +123,7 @@ class Bridge:
         self._client: mqtt.Client | None = None
         self._last_heartbeat = 0.0
         self._last_flush = 0.0
+        self.dropped_total: int | None = None
 
     @classmethod
     def from_settings(cls) -> Bridge:
@@ -207,7 +212,8 @@ class Bridge:
         return guarded
 
     def _subscriptions(self) -> list[tuple[str, int]]:
-        subs = [(protocol.heartbeat_wildcard(self.prefix), 0)]
+        # Brokers that publish $SYS counters (Mosquitto) report their drops here.
+        subs = [(protocol.heartbeat_wildcard(self.prefix), 0), (BROKER_DROPPED_TOPIC, 0)]
         if self.monitor:
             # The wildcard covers our own inbox too (its topic makes those RECV); a second,
             # overlapping subscription would have the broker deliver them twice.
@@ -236,9 +242,29 @@ class Bridge:
             log.warning("MQTT bridge disconnected (%s); paho reconnects", reason_code)
 
     def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
+        if message.topic == BROKER_DROPPED_TOPIC:
+            self._broker_dropped(message.payload)
+            return
         # Blocks when the owner is behind: paho stops reading and the broker keeps the rest.
         self._work.put(_Received(message.topic, message.payload, message.mid, message.qos,
                                  self.generation))
+
+    def _broker_dropped(self, payload: bytes) -> None:
+        """Mosquitto's count of messages it dropped (queues full, clients too slow): the only
+        place such losses show. An increase is logged as an alarm and kept for the pages."""
+        try:
+            total = int(payload.decode().strip())
+        except (UnicodeDecodeError, ValueError):
+            return
+        previous, self.dropped_total = self.dropped_total, total
+        if previous is not None and total > previous:
+            self.counts["broker_dropped"] += total - previous
+            log.error("the MQTT broker dropped %d messages (%d since it started): raise its "
+                      "max_queued_messages / max_inflight_messages (docs/performance.md)",
+                      total - previous, total)
+            cache.set(BROKER_DROPS_KEY, {"dropped": total - previous, "total": total,
+                                         "at": timezone.now().isoformat()},
+                      timeout=BROKER_DROPS_ALARM_S)
 
     def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
         # paho calls this holding its outgoing-message lock, which the owner thread needs to

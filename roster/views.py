@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required, permission_required
+from django.core.cache import cache
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
@@ -45,6 +46,8 @@ def health(request: HttpRequest) -> HttpResponse:
     agents = agents_filter(flt, now=now)
     total = agents.count()
     context = {
+        # Written by the MQTT bridge (messages app) when the broker reports dropped messages.
+        "broker_drops": cache.get("broker-drops"),
         "agents": agents[:PAGE_SIZE], "total": total, "shown": min(total, PAGE_SIZE),
         "counts": roster_counts(now=now), "flt": flt, "query": flt.as_query(),
         "choices": filter_choices(), "now": now,
