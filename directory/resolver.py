@@ -23,7 +23,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 from django.conf import settings
 from django.db import connection
@@ -37,7 +37,7 @@ from directory.models import (
     SceneBinding,
     alias_normalize,
 )
-from roster.models import Agent
+from roster.models import Agent, stale_cutoff
 from roster.services import roster_generation
 
 log = logging.getLogger(__name__)
@@ -91,10 +91,6 @@ def is_local_agent(agent_id: str) -> bool:
     return agent_id in LOCAL_AGENTS
 
 
-def _stale_cutoff(now: datetime) -> datetime:
-    return now - timedelta(milliseconds=2 * settings.REACH_HEARTBEAT_MS)
-
-
 AGENT_FIELDS = ("agent_id", "segment", "status", "lease_expires_at", "last_heartbeat_at",
                 "registered_at", "inflight", "max_inflight", "node__node_id", "namespace__name")
 
@@ -125,7 +121,7 @@ def candidate_for(agent: Agent | dict, now: datetime) -> Candidate:
         return Candidate(agent_id, node_id, status, False,
                          "on the console's own node, which has no consumer for it", **common)
     seen = row["last_heartbeat_at"] or row["registered_at"]
-    if seen < _stale_cutoff(now):
+    if seen < stale_cutoff(now):
         return Candidate(agent_id, node_id, "STALE", False,
                          f"stale: no heartbeat for {int((now - seen).total_seconds())} s",
                          **common)

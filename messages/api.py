@@ -11,6 +11,7 @@ from asgiref.sync import sync_to_async
 from django.http import HttpRequest
 from ninja import Field, Router, Schema, Status
 
+from directory.routing import namespace_of
 from messages.models import Message
 from messages.outbound import (
     SendRefused,
@@ -163,7 +164,7 @@ def message_detail(request: HttpRequest, message_id: str):
         raise ApiError(404, "message_not_found", f"no message {message_id[:200]} is recorded")
     namespaces = request.auth.token.namespaces
     if namespaces is not None:
-        touched = {a.split(".", 1)[0] for a in (row.from_agent_id, row.to_agent_id) if a}
+        touched = {namespace_of(a) for a in (row.from_agent_id, row.to_agent_id)} - {None}
         if not touched & namespaces:
             raise ApiError(403, "namespace_forbidden",
                            "this service token is bound to other namespaces than this "
@@ -200,7 +201,7 @@ def resend(request: HttpRequest, message_id: str, body: ResendIn | None = None):
     body = body or ResendIn()
     previous = Message.objects.filter(message_id=message_id).first()
     if previous is not None:
-        namespace = previous.to_agent_id.split(".", 1)[0] if "." in previous.to_agent_id else ""
+        namespace = namespace_of(previous.to_agent_id)
         if namespace:
             request.auth.require_namespace(namespace)
     try:

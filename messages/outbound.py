@@ -4,7 +4,6 @@ publish by the bridge. PROTOCOL.md "Outbound state machine"."""
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
 import uuid
@@ -486,10 +485,6 @@ def publish_request(pks: list[int]) -> None:
     from messages.tasks import messages_publish
 
     messages_publish.delay(pks)
-
-
-def payload_text(message: Message) -> str:
-    return json.dumps(message.payload, ensure_ascii=False, indent=2)
 
 
 def message_resend(*, message_id: str, by: str, new_idempotency_key: bool = False,

@@ -157,14 +157,6 @@ def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
     return result
 
 
-def transition_first(message: Message, *, actor: str, reason: str = "", by: str = "") -> None:
-    """Record a new row's first status as a transition from nothing."""
-    Transition.objects.create(
-        message=message, from_status="", to_status=message.status, at=message.created_at,
-        reason=reason, actor=actor, by=by,
-    )
-
-
 def _transient(exc: BaseException) -> bool:
     """A deadlock or serialization failure (PostgreSQL), or a busy database (SQLite): the
     transaction was rolled back whole and may simply run again."""

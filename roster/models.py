@@ -14,6 +14,11 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}(\.[A-Za-z0-9][A-Za-z0-9_-
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 
 
+def stale_cutoff(now: datetime) -> datetime:
+    """An agent last heard before this has missed two heartbeats in a row: stale."""
+    return now - timedelta(milliseconds=2 * settings.REACH_HEARTBEAT_MS)
+
+
 class Namespace(models.Model):
     name = models.CharField(max_length=64, unique=True)
     description = models.TextField(blank=True)
@@ -108,9 +113,8 @@ class Agent(models.Model):
         """Missed two heartbeats in a row while its lease still runs: an early warning."""
         if self.status == self.Status.OFFLINE:
             return False
-        window = timedelta(milliseconds=2 * settings.REACH_HEARTBEAT_MS)
         seen = self.last_heartbeat_at or self.registered_at
-        return (now or timezone.now()) - seen > window
+        return seen < stale_cutoff(now or timezone.now())
 
     def is_routable(self, now: datetime | None = None) -> bool:
         """New work may be sent to it: online, lease valid, not draining."""

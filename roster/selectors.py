@@ -6,11 +6,10 @@ import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.conf import settings
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
-from roster.models import Agent, ClusterNode, RosterEvent
+from roster.models import Agent, ClusterNode, RosterEvent, stale_cutoff
 
 STATUS_STALE = "STALE"
 
@@ -32,13 +31,9 @@ class AgentFilter:
         return {key: value for key, value in values.items() if value}
 
 
-def _stale_cutoff(now: datetime) -> datetime:
-    return now - timedelta(milliseconds=2 * settings.REACH_HEARTBEAT_MS)
-
-
 def _stale_q(now: datetime) -> Q:
     # Mirrors Agent.is_stale() so the filter and the badge always agree.
-    cutoff = _stale_cutoff(now)
+    cutoff = stale_cutoff(now)
     return ~Q(status=Agent.Status.OFFLINE) & (
         Q(last_heartbeat_at__lt=cutoff)
         | Q(last_heartbeat_at__isnull=True, registered_at__lt=cutoff)
