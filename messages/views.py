@@ -86,13 +86,8 @@ def message_resend_view(request: HttpRequest, message_id: str) -> HttpResponse:
     try:
         row = message_resend(message_id=message_id, by=actor, new_idempotency_key=new_key)
     except SendRefused as exc:
-        audit_record(actor=actor, action="resend", target=message_id, result="refused",
-                     detail=exc.detail)
         flash.error(request, exc.detail)
         return redirect("a2a:trace", message_id=message_id)
-    audit_record(actor=actor, action="resend", target=message_id,
-                 detail=f"as {row.message_id} ({row.status})"
-                 + ("; new idempotency key" if new_key else ""))
     flash.success(request, f"Resent as {row.message_id}: {row.status}.")
     return redirect("a2a:trace", message_id=row.message_id)
 
