@@ -102,3 +102,23 @@ def run_at_once(work, *, threads: int = 2, timeout: float = 60) -> list:
         raise errors[0]
     assert len(results) == threads, "a worker did not finish in time"
     return results
+
+
+@pytest.fixture
+def async_unsafe(monkeypatch):
+    # Playwright's sync API runs an event loop in this thread; the ORM calls in the test are
+    # still plain synchronous calls.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+
+def stop_process(proc, timeout: float = 20) -> None:
+    """Ask a process to stop (SIGINT, as Ctrl-C would), kill it if it does not."""
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()

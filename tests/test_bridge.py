@@ -25,7 +25,7 @@ from messages.outbound import SendRequest, message_send, messages_send
 from messages.simulator import Knobs, SimulatedCluster
 from messages.sweeps import deliveries_sweep
 from roster.models import Agent, ClusterNode
-from tests.conftest import TOKEN, register
+from tests.conftest import TOKEN, register, stop_process
 from tests.mqtt import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -182,12 +182,7 @@ def test_a_killed_bridge_loses_nothing(mqtt_settings, broker, tmp_path):
     finally:
         publisher.loop_stop()
         publisher.disconnect()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_process(proc, 15)
         log.close()
 
 

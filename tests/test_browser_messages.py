@@ -13,11 +13,6 @@ from tests.browser import chromium_page
 from tests.conftest import register
 
 
-@pytest.fixture
-def async_unsafe(monkeypatch):
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-
-
 @pytest.mark.django_db(transaction=True)
 def test_an_operator_finds_a_failed_message_and_resends_it(live_server, async_unsafe):
     user = User.objects.create_user("olga", password="pw-olga-123")

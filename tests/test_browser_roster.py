@@ -13,13 +13,6 @@ from tests.conftest import register
 XSS = '<img src=x onerror="window.pwned=1">'
 
 
-@pytest.fixture
-def async_unsafe(monkeypatch):
-    # Playwright's sync API runs an event loop in this thread; the ORM calls in the test are
-    # still plain synchronous calls.
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-
-
 @pytest.mark.django_db(transaction=True)
 def test_it_logs_in_filters_and_drains_an_agent(live_server, async_unsafe):
     user = User.objects.create_user("olga", password="pw-olga-123")

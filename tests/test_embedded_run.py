@@ -14,14 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import stop_process
+from tests.mqtt import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "embedded-run-token-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def embedded_env() -> dict[str, str]:
@@ -83,12 +80,7 @@ def console(tmp_path):
         wait_for(lambda: get_json(f"{base}/healthz"), 60, "the console did not answer")
         yield base, proc, tmp_path / "console.log"
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_process(proc)
         log.close()
 
 
