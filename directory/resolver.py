@@ -37,7 +37,8 @@ from directory.models import (
     SceneBinding,
     alias_normalize,
 )
-from roster.models import Agent, stale_cutoff
+from roster.hearing import bus_heard_since
+from roster.models import Agent, lapse_cutoff, stale_cutoff
 from roster.services import roster_generation
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,9 @@ def candidate_for(agent: Agent | dict, now: datetime) -> Candidate:
     if status == Agent.Status.DRAINING:
         return Candidate(agent_id, node_id, status, False, "draining: it takes no new work",
                          **common)
-    if status == Agent.Status.OFFLINE or row["lease_expires_at"] <= now:
+    heard_since = bus_heard_since(now=now)
+    lapsed = lapse_cutoff(now, heard_since)
+    if status == Agent.Status.OFFLINE or (lapsed and row["lease_expires_at"] <= lapsed):
         return Candidate(agent_id, node_id, "OFFLINE", False, "its lease has lapsed", **common)
     if node_id == settings.REACH_NODE_ID and not is_local_agent(agent_id):
         # Registered on the console's own node, which runs no consumer for it: work sent
@@ -121,7 +124,8 @@ def candidate_for(agent: Agent | dict, now: datetime) -> Candidate:
         return Candidate(agent_id, node_id, status, False,
                          "on the console's own node, which has no consumer for it", **common)
     seen = row["last_heartbeat_at"] or row["registered_at"]
-    if seen < stale_cutoff(now):
+    stale = stale_cutoff(now, heard_since)
+    if stale and seen < stale:
         return Candidate(agent_id, node_id, "STALE", False,
                          f"stale: no heartbeat for {int((now - seen).total_seconds())} s",
                          **common)

@@ -3,8 +3,10 @@
 paho's network thread only hands work over (a bounded queue: when the console falls behind,
 paho stops reading and the broker holds the messages). The owner thread does everything
 else: it writes each batch of inbound messages in one transaction, acknowledges them to the
-broker only after the commit (`manual_ack`), publishes, marks PUBLISHED on PUBACK, and sends
-the console's heartbeat. RELIABILITY.md lists the failures this is built around.
+broker only after the commit (`manual_ack`), claims due rows from the outbox
+(messages/outbox.py) and publishes them, marks them PUBLISHED on PUBACK, sends the console's
+heartbeat, and reports that it hears the bus (roster/hearing.py). RELIABILITY.md lists the
+failures this is built around.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlparse
 
@@ -37,14 +39,22 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from directory.resolver import LOCAL_AGENTS
-from messages import protocol, runtime
+from messages import protocol
 from messages.delivery import ack_deadline
 from messages.events import events_on_commit
 from messages.inbound import Incoming, messages_ingest
-from messages.models import Direction, Message, Status
+from messages.models import Message, Status
 from messages.outbound import envelope_from_row
+from messages.outbox import (
+    OutboxListener,
+    outbox_claim,
+    outbox_defer,
+    outbox_subscribe,
+    outbox_unsubscribe,
+)
 from messages.state import Change, changes_apply
 from reachconsole.metrics import LocalCounter
+from roster.hearing import hearing_lost, hearing_record
 from roster.services import agent_register, heartbeat_record
 
 log = logging.getLogger(__name__)
@@ -68,12 +78,8 @@ class _Received:
     generation: int
 
 
-@dataclass(frozen=True, slots=True)
-class _Publish:
-    pks: tuple[int, ...]
-
-
-_WAKE = object()  # wakes the owner thread when confirms are waiting
+_WAKE = object()  # wakes the owner thread: confirms are waiting, or the outbox has work
+HEARING_EVERY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +121,14 @@ class Bridge:
         self.generation = 0
         self._work: queue.Queue = queue.Queue(maxsize=QUEUE_LIMIT)
         self._confirms: collections.deque[_Confirmed] = collections.deque()
-        self._pending: dict[int, int] = {}  # paho mid → a2a_message pk, until PUBACK
-        self._backlog: list[int] = []  # rows paho could not queue; tried again shortly
-        self._backlog_at = 0.0
+        # paho mid → (a2a_message pk, whether it is a task request), until the PUBACK
+        self._pending: dict[int, tuple[int, bool]] = {}
+        self._outbox_due = threading.Event()
+        self._next_poll = 0.0
+        self._listener = OutboxListener(self._wake_outbox)
+        self._hearing = False
+        self._last_hearing = 0.0
+        self._last_db_warning = 0.0
         self._stop = threading.Event()
         self._owner: threading.Thread | None = None
         self._client: mqtt.Client | None = None
@@ -167,16 +178,17 @@ class Bridge:
         else:
             client.connect_async(self.host, self.port, keepalive=30)
         client.loop_start()
+        outbox_subscribe(self._wake_outbox)
+        self._listener.start()
         self._owner = threading.Thread(target=self._run, name="mqtt-bridge", daemon=True)
         self._owner.start()
-        runtime.set_bridge(self)
         log.info("MQTT bridge %s → %s (monitor %s)", self.client_id, self.url,
                  "on" if self.monitor else "off")
 
     def stop(self, timeout: float = 10.0) -> None:
-        if runtime.current_bridge() is self:
-            runtime.set_bridge(None)
+        outbox_unsubscribe(self._wake_outbox)
         self._stop.set()
+        self._listener.stop()
         if self._owner is not None:
             self._owner.join(timeout)
             self._owner = None
@@ -189,13 +201,13 @@ class Bridge:
     def wait_connected(self, timeout: float = 10.0) -> bool:
         return self.connected.wait(timeout)
 
-    def submit(self, pks: list[int]) -> None:
-        """Ask the owner thread to publish these SENT rows (any thread may call this)."""
+    def _wake_outbox(self) -> None:
+        """Rows came due (any thread; never blocks)."""
+        self._outbox_due.set()
         try:
-            self._work.put_nowait(_Publish(tuple(pks)))
+            self._work.put_nowait(_WAKE)
         except queue.Full:
-            # The rows stay SENT: the outbox sweep hands them over again.
-            self.counts["outbox_full"] += len(pks)
+            pass  # the owner is busy and looks at the outbox on its next turn anyway
 
     # --- paho callbacks (network thread): hand over, never block on the database ------------
     def _guard(self, callback):
@@ -231,6 +243,7 @@ class Bridge:
         # session (restart without persistence) must not leave the console deaf.
         client.subscribe(self._subscriptions())
         self.connected.set()
+        self._wake_outbox()  # what came due while we were away
         log.info("MQTT bridge connected (session present: %s)", flags.session_present)
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
@@ -286,30 +299,71 @@ class Bridge:
                 log.exception("MQTT bridge step failed; continuing")
                 time.sleep(0.5)
         self._drain_on_stop()
+        try:
+            hearing_lost(instance=self.client_id)
+        except DatabaseError:
+            pass  # the row ages out by itself (roster.hearing.HEARING_GAP_S)
         connection.close()  # this thread's own connection
 
     def step(self, wait: float = 0.0) -> bool:
         """One turn of the owner loop; returns whether it found work."""
         items = self._take(wait)
         received = [i for i in items if isinstance(i, _Received)]
-        publishes = [pk for i in items if isinstance(i, _Publish) for pk in i.pks]
         confirms = self._drain_confirms()
         if received:
             self._ingest(received)
         if confirms:
             self._confirm(confirms)
         now = time.monotonic()
-        if self._backlog and now >= self._backlog_at:
-            publishes, self._backlog = self._backlog + publishes, []
-        if publishes:
-            self._publish(publishes)
+        found = bool(items)
+        if self.connected.is_set() and (self._outbox_due.is_set() or now >= self._next_poll):
+            self._outbox_due.clear()
+            self._next_poll = now + settings.REACH_OUTBOX_POLL_S
+            found = self._guard_db(self._publish_due) or found
+        if now - self._last_hearing >= HEARING_EVERY_S:
+            self._last_hearing = now
+            self._guard_db(self._report_hearing)
         if self.node_id and now - self._last_heartbeat >= self.heartbeat_s:
             self._last_heartbeat = now
             self._heartbeat()
         if now - self._last_flush >= 1.0:
             self._last_flush = now
             self.counts.flush()
-        return bool(items)
+        return found
+
+    def _guard_db(self, work) -> bool:
+        """Database work of the owner loop that may meet an outage: warn (at most every
+        10 s), let the next turn try again."""
+        try:
+            close_old_connections()
+            return bool(work())
+        except INFRA_DOWN as exc:
+            now = time.monotonic()
+            if now - self._last_db_warning >= 10:
+                self._last_db_warning = now
+                log.warning("bridge cannot reach the database (%s); retrying", exc)
+            return False
+
+    def _report_hearing(self) -> None:
+        """Whether the console hears the bus decides whether leases may run out: connected,
+        and this turn's writes commit (an outage of the database or the worker is a gap)."""
+        if self.connected.is_set():
+            hearing_record(instance=self.client_id)
+            self._hearing = True
+        elif self._hearing:
+            hearing_lost(instance=self.client_id)
+            self._hearing = False
+
+    def _publish_due(self) -> bool:
+        """Claim due outbox rows, as many as paho can still queue, and publish them."""
+        room = min(settings.REACH_OUTBOX_BATCH, self.max_queued - len(self._pending))
+        if room <= 0:
+            return False
+        rows = outbox_claim(limit=room)
+        if len(rows) == room:
+            self._outbox_due.set()  # there may be more
+        self._publish(rows)
+        return bool(rows)
 
     def _drain_confirms(self) -> list[_Confirmed]:
         confirms = []
@@ -363,7 +417,7 @@ class Bridge:
         self.counts.update(result.counts)
         self._ack(received)
         if result.to_publish:
-            self._publish(result.to_publish)
+            self._outbox_due.set()  # answers and freed work: publish them on this turn
 
     def _ingest_one_by_one(self, batch: list[Incoming]):
         from messages.inbound import IngestResult
@@ -394,14 +448,12 @@ class Bridge:
             if r.qos > 0 and r.generation == self.generation:
                 client.ack(r.mid, r.qos)
 
-    def _publish(self, pks: list[int]) -> None:
+    def _publish(self, rows: list[Message]) -> None:
         client = self._client
-        if client is None:
+        if client is None or not rows:
             return
-        close_old_connections()
-        rows = list(Message.objects.filter(pk__in=pks, status=Status.SENT,
-                                           direction=Direction.SEND))
         failed: list[Change] = []
+        deferred: list[int] = []
         for row in rows:
             try:
                 data = protocol.encode(envelope_from_row(row),
@@ -415,14 +467,15 @@ class Bridge:
             info = client.publish(topic, data, qos=1)
             if info.rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
                 # NO_CONN: paho keeps a QoS 1 message and sends it on reconnect.
-                self._pending[info.mid] = row.pk
+                self._pending[info.mid] = (row.pk, row.message_type == "TASK_REQUEST")
                 self.counts["published"] += 1
             else:
-                # QUEUE_SIZE and friends: not queued. The row stays SENT and is tried again.
+                # QUEUE_SIZE and friends: not queued. The row stays SENT, due again shortly.
                 self.counts[f"publish_deferred:{mqtt.error_string(info.rc)}"] += 1
-                self._backlog.append(row.pk)
-        if self._backlog:
-            self._backlog_at = time.monotonic() + 0.5 + random.random() * 0.5  # noqa: S311
+                deferred.append(row.pk)
+        if deferred:
+            jitter = 0.5 + random.random() * 0.5  # noqa: S311
+            outbox_defer(pks=deferred, until=timezone.now() + timedelta(seconds=jitter))
         if failed:
             self._apply(failed)
 
@@ -430,7 +483,7 @@ class Bridge:
         now = timezone.now()
         changes = []
         for item in confirms:
-            pk = self._pending.pop(item.mid, None)
+            pk, request = self._pending.pop(item.mid, (None, False))
             if pk is None:
                 continue
             if item.failure:
@@ -439,8 +492,11 @@ class Bridge:
                                       actor="bridge", reason=reason,
                                       fields={"error": reason, "finished_at": now}))
             else:
-                # The receiver's time to acknowledge runs from when the broker took it.
-                fields = {"published_at": now, "ack_deadline_at": ack_deadline(now)}
+                # The receiver's time to acknowledge runs from when the broker took it. An
+                # answer of ours is done once the broker has it: it leaves the deadlines.
+                fields = ({"published_at": now, "publish_at": None,
+                           "ack_deadline_at": ack_deadline(now)} if request else
+                          {"published_at": now, "publish_at": None, "deadline_at": None})
                 changes.append(Change(pk=pk, to=Status.PUBLISHED,
                                       allowed=frozenset({Status.SENT}), actor="bridge",
                                       reason="PUBACK", fields=fields))
@@ -512,5 +568,5 @@ class Bridge:
 
     def stats(self) -> dict[str, Any]:
         return {"connected": self.connected.is_set(), "queued": self._work.qsize(),
-                "pending_pubacks": len(self._pending), "backlog": len(self._backlog),
+                "pending_pubacks": len(self._pending),
                 "counts": dict(self.counts)}

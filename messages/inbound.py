@@ -24,11 +24,12 @@ from django.db import transaction
 from django.utils import timezone
 
 from messages import protocol
-from messages.delivery import held_release, retry_or_give_up
+from messages.delivery import retry_or_give_up
 from messages.events import events_on_commit, message_events
 from messages.handlers import LOCAL_HANDLERS
 from messages.idempotency import idempotency_claim, idempotency_release
-from messages.models import INFLIGHT_STATUSES, Direction, Message, Status
+from messages.load import held_release
+from messages.models import Direction, Message, Status
 from messages.outbound import message_reroute, reply_row
 from messages.state import Change, changes_apply, messages_insert_new
 from roster.services import heartbeat_record
@@ -44,6 +45,8 @@ ACKABLE = frozenset({Status.SENT, Status.PUBLISHED, Status.OBSERVED, Status.RETR
                      Status.FAILED})
 ANSWERABLE = frozenset({Status.SENT, Status.PUBLISHED, Status.ACKED, Status.OBSERVED,
                         Status.RETRYING, Status.RETRIED, Status.EXPIRED, Status.FAILED})
+# An answered transmission leaves the ack-deadline index (the sweep costs what is due).
+ANSWERED = {"ack_deadline_at": None}
 _last_logged: dict[str, float] = {}
 
 
@@ -102,6 +105,7 @@ class ReceivedRow:
     acked_at: datetime | None = None
     finished_at: datetime | None = None
     deadline_at: datetime | None = None
+    publish_at: datetime | None = None
     ack_deadline_at: datetime | None = None
     next_attempt_at: datetime | None = None
     held: bool = False
@@ -213,11 +217,8 @@ def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result
                     counts["rerouted_after_busy"] += 1
                     events += more
                     result.to_publish += publish
-        freed = {m.to_agent_id for m in applied.messages
-                 if m.direction == Direction.SEND and m.message_type == MT.TASK_REQUEST
-                 and m.status not in INFLIGHT_STATUSES}
-        if freed:
-            publish, undeliverable = held_release(agent_ids=freed, now=now)
+        if applied.freed:
+            publish, undeliverable = held_release(agent_ids=applied.freed, now=now)
             result.to_publish += publish
             events += changes_apply(undeliverable, now=now).events
         sent = messages_insert_new(replies)
@@ -238,7 +239,7 @@ def _retry_retryable_nacks(changes: list[Change], *, now: datetime) -> None:
         change = retryable[row.message_id]
         if status:
             change.to = status
-            change.fields = {"error": change.fields["error"], **fields}
+            change.fields = {"error": change.fields["error"], **ANSWERED, **fields}
             change.reason = f"{change.reason}; {why}"
         else:
             change.reason = f"{change.reason}; no retry: {why}"
@@ -281,27 +282,28 @@ def _act(row: ReceivedRow, *, changes: list[Change], replies: list[Message], now
     if kind == MT.ACK and ack_for:
         changes.append(Change(message_id=ack_for, to=Status.ACKED, allowed=ACKABLE,
                               reason="ACK" + (" (duplicate)" if payload.get("duplicate") else ""),
-                              actor="bridge", fields={"acked_at": now}))
+                              actor="bridge", fields={"acked_at": now, **ANSWERED}))
     elif kind == MT.NACK and ack_for:
         reason = str(payload.get("reason") or "refused by the receiver")[:2000]
         retry = "retryable" if payload.get("retryable") is True else "not retryable"
         error = f"{row.from_agent_id or 'the receiver'} refused it ({retry}): {reason}"
         nacked = Change(message_id=ack_for, to=Status.NACKED, allowed=ACKABLE,
                         reason=f"NACK ({retry}): {reason}", actor="bridge",
-                        fields={"error": error, "finished_at": now})
+                        fields={"error": error, "finished_at": now, **ANSWERED})
         nacked.retryable = retry == "retryable"
         changes.append(nacked)
     elif kind == MT.BUSY and ack_for:
         changes.append(Change(message_id=ack_for, to=Status.BUSY, allowed=ACKABLE,
                               reason="BUSY: the receiver's queue is full", actor="bridge",
-                              fields={"error": "the receiver's queue was full (BUSY)"}))
+                              fields={"error": "the receiver's queue was full (BUSY)",
+                                      **ANSWERED}))
     elif kind == MT.TASK_RESPONSE and row.in_reply_to:
         ok = payload.get("ok", True) is not False
         error = "" if ok else f"the task failed: {str(payload.get('error'))[:2000]}"
         changes.append(Change(message_id=row.in_reply_to,
                               to=Status.COMPLETED if ok else Status.TASK_ERROR,
                               allowed=ANSWERABLE, reason="TASK_RESPONSE", actor="bridge",
-                              fields={"finished_at": now, "error": error}))
+                              fields={"finished_at": now, "error": error, **ANSWERED}))
         if row.direction == Direction.RECV:
             ack = reply_row(to=row, message_type=MT.ACK, payload={}, now=now,
                             extra_headers={"ackFor": row.message_id})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.db import models
+from django.db.models import Q
 from django.utils import timezone
 
 
@@ -35,6 +36,9 @@ FAILURE_STATUSES = frozenset(
 )
 # A send is still "in flight" while the receiver has not answered it.
 INFLIGHT_STATUSES = frozenset({Status.SENT, Status.PUBLISHED})
+# A task request in one of these has not ended yet: its task deadline (`deadline_at`) ends
+# it at the latest (messages/sweeps.py). Answers the console sends end at PUBLISHED.
+OPEN_STATUSES = frozenset({Status.SENT, Status.PUBLISHED, Status.ACKED, Status.RETRYING})
 # What an operator may send again.
 RESENDABLE_STATUSES = frozenset(
     {Status.UNDELIVERABLE, Status.FAILED, Status.NACKED, Status.EXPIRED, Status.TASK_ERROR,
@@ -75,12 +79,17 @@ class Message(models.Model):
     published_at = models.DateTimeField(null=True, blank=True)
     acked_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
-    # The task's own deadline (timeoutMs): no attempt is made past it.
-    deadline_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    # The task's own deadline (timeoutMs): no attempt is made past it, and no open row
+    # outlives it.
+    deadline_at = models.DateTimeField(null=True, blank=True)
+    # The outbox: when a bridge should (next) publish this SENT row. A bridge that claims
+    # it moves it a claim's length ahead, so a bridge that dies before the PUBACK leaves it
+    # to be published again; null while held and once the broker took it.
+    publish_at = models.DateTimeField(null=True, blank=True)
     # By when the receiver must acknowledge this transmission before it is tried again.
-    ack_deadline_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    ack_deadline_at = models.DateTimeField(null=True, blank=True)
     # When the next attempt of a RETRYING row is due.
-    next_attempt_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
     # Kept back because its agent already has maxInflight unacknowledged messages.
     held = models.BooleanField(default=False)
     updated_at = models.DateTimeField(default=timezone.now)
@@ -95,6 +104,17 @@ class Message(models.Model):
             models.Index(fields=["from_agent_id", "created_at"], name="a2a_from_agent_created"),
             models.Index(fields=["to_agent_id", "held", "status"], name="a2a_agent_held_status"),
             models.Index(fields=["task_id", "created_at"], name="a2a_task_created"),
+            # Deadline indexes hold only the rows that can still be due, so a sweep costs
+            # what is due, not what is stored.
+            models.Index(fields=["publish_at"], name="a2a_outbox_due",
+                         condition=Q(status="SENT", publish_at__isnull=False)),
+            models.Index(fields=["ack_deadline_at"], name="a2a_ack_due",
+                         condition=Q(status="PUBLISHED", ack_deadline_at__isnull=False)),
+            models.Index(fields=["next_attempt_at"], name="a2a_retry_due",
+                         condition=Q(status="RETRYING")),
+            models.Index(fields=["deadline_at"], name="a2a_open_deadline",
+                         condition=Q(status__in=["SENT", "PUBLISHED", "ACKED", "RETRYING"],
+                                     deadline_at__isnull=False)),
         ]
         permissions = [("resend_message", "Can resend a message from the console")]
 
@@ -129,3 +149,24 @@ class Transition(models.Model):
 
     def __str__(self) -> str:
         return f"{self.from_status or '∅'} → {self.to_status}"
+
+
+class AgentLoad(models.Model):
+    """What the console has in flight and held for one agent: kept, not recounted.
+
+    Changed in the same transaction as the message rows it counts (messages/load.py) and
+    reconciled against them by a sweep, so a send or a release reads one row instead of
+    counting an agent's messages under a lock.
+    """
+
+    agent_id = models.CharField(max_length=265, unique=True)
+    # Task requests sent to it and not yet answered (SENT and released, or PUBLISHED).
+    inflight = models.IntegerField(default=0)
+    # Task requests kept back behind its maxInflight (SENT, held).
+    held = models.IntegerField(default=0)
+
+    class Meta:
+        db_table = "a2a_agent_load"
+
+    def __str__(self) -> str:
+        return f"{self.agent_id}: {self.inflight} in flight, {self.held} held"

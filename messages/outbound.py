@@ -1,5 +1,5 @@
-"""Sending: every send is a row first, then a resolution, then (outside the transaction) a
-publish by the bridge. PROTOCOL.md "Outbound state machine"."""
+"""Sending: every send is a row first, then a resolution; a row to publish is left in the
+outbox (messages/outbox.py) for a bridge to claim. PROTOCOL.md "Outbound state machine"."""
 
 from __future__ import annotations
 
@@ -12,31 +12,23 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
-from django.db.models import Count
 from django.utils import timezone
 
 from directory.resolver import Resolution, is_local_agent, resolve, resolve_agent_node
 from directory.routing import group_members, isolation_refusal, namespace_of, route_capability
 from messages import protocol
-from messages.delivery import (
-    Capacities,
-    ack_deadline,
-    busy_reason,
-    capacities_lock,
-    storm_refusal,
-    transmissions_in_window,
-)
+from messages.delivery import busy_reason, storm_refusal, transmissions_in_window
 from messages.events import events_on_commit, message_events
 from messages.handlers import LOCAL_HANDLERS
+from messages.load import Capacities, loads_lock, loads_of, task_locks
 from messages.models import (
-    INFLIGHT_STATUSES,
     RESENDABLE_STATUSES,
     Direction,
     Message,
     Status,
     Transition,
 )
+from messages.outbox import outbox_wake
 from messages.state import atomic_retrying
 from reachconsole.metrics import counters_add
 from reachconsole.models import audit_record
@@ -115,15 +107,6 @@ class SendRequest:
 CAPABILITY_PREFIX = "capability:"
 
 
-def unacked_counts(agent_ids: list[str]) -> dict[str, int]:
-    """What the console has sent each agent and not yet seen acknowledged."""
-    rows = (Message.objects.filter(direction=Direction.SEND, to_agent_id__in=agent_ids,
-                                   message_type=protocol.MessageType.TASK_REQUEST,
-                                   status__in=list(INFLIGHT_STATUSES))
-            .values("to_agent_id").annotate(n=Count("id")))
-    return {row["to_agent_id"]: row["n"] for row in rows}
-
-
 def _resolve_target(request: SendRequest, now: datetime) -> tuple[str, Resolution]:
     """(the agent id to record, the directory's answer) for one send."""
     to = request.to.strip()
@@ -132,7 +115,7 @@ def _resolve_target(request: SendRequest, now: datetime) -> tuple[str, Resolutio
         if not capability:
             raise SendRefused("name the capability: `capability:web_search`")
         resolution = route_capability(capability=capability, from_agent_id=request.from_agent_id,
-                                      unacked=unacked_counts, now=now)
+                                      unacked=loads_of, now=now)
         return resolution.agent_id or to, resolution
     if to.startswith("@"):
         resolution = resolve(mention=to, target_node_id=request.target_node_id,
@@ -191,19 +174,20 @@ def messages_send(*, requests: list[SendRequest], actor: str = "api", by: str = 
 
 def _send_and_publish(prepared: list[tuple[Message, Resolution]], *, actor: str, by: str,
                       now: datetime, refused: list | None = None) -> list[Message]:
-    """Inside a transaction: write and route the rows; events and publishing after commit."""
+    """Inside a transaction: write and route the rows; events and the bridges' wake-up leave
+    after commit."""
     if refused is not None:
         refused.clear()  # a retried transaction judges the storm guard again
     for row, _ in prepared:
         # A retried transaction starts from the prepared row again.
         row.pk, row._state.adding = None, True
-        row.status, row.held, row.ack_deadline_at = Status.SENT, False, None
+        row.status, row.held, row.publish_at = Status.SENT, False, None
         row.error, row.finished_at = "", None
     rows, publish, events = _send_prepared(prepared, actor=actor, by=by, now=now,
                                            refused=refused)
     events_on_commit(events)
     if publish:
-        transaction.on_commit(lambda: publish_request(publish))
+        outbox_wake()
     return rows
 
 
@@ -244,11 +228,11 @@ def _send_prepared(prepared: list[tuple[Message, Resolution]], *, actor: str, by
                    now: datetime, refused: list | None = None
                    ) -> tuple[list[Message], list[int], list[dict]]:
     """Write the rows and move each on. Runs in the caller's transaction; returns the rows,
-    the primary keys to publish after commit, and the events. A row the retry-storm guard
+    the primary keys now due in the outbox, and the events. A row the retry-storm guard
     refuses raises SendRefused, or with a `refused` list is left out and added to it."""
-    capacities = capacities_lock(res.agent_id for _, res in prepared if res.ok and not res.local)
-    # Counted under the agents' row locks: concurrent sends of one task to one agent queue
-    # here, so each sees the others' rows and the guard cannot be raced.
+    # Counted under a lock per task: concurrent sends of one task queue here, so each sees
+    # the others' rows and the guard cannot be raced (messages/load.py: the lock order).
+    task_locks(row.task_id for row, res in prepared if res.ok and not res.local)
     prepared, storm = _storm_guard(prepared, now=now)
     for row, exc in storm:
         counters_add({"storm_refused": 1})
@@ -265,8 +249,11 @@ def _send_prepared(prepared: list[tuple[Message, Resolution]], *, actor: str, by
         rows.append(row)
     # The first step of every trace is written before the steps that follow it.
     Transition.objects.bulk_create(firsts)
+    # The agents' load rows last, all at once: held from here to the commit only.
+    capacities = loads_lock(res.agent_id for _, res in prepared if res.ok and not res.local)
     for row, resolution in prepared:
         events += _dispatch(row, resolution, capacities, actor=actor, now=now, publish=publish)
+    capacities.write()
     return rows, publish, events
 
 
@@ -324,9 +311,9 @@ def _dispatch(row: Message, resolution: Resolution, capacities: Capacities, *, a
     if decision == "hold":
         row.held = True
     else:
-        row.ack_deadline_at = ack_deadline(now)
+        row.publish_at = now
         publish.append(row.pk)
-    row.save(update_fields=["target_node_id", "topic", "held", "ack_deadline_at"])
+    row.save(update_fields=["target_node_id", "topic", "held", "publish_at"])
     return []
 
 
@@ -370,8 +357,8 @@ def message_next_attempt(
     idempotency key, attempt + 1, linked to it, resolved afresh by the directory (for a
     capability, without the agents already tried when `exclude_agent`).
 
-    Runs inside the caller's transaction. Returns (the row or None, pks to publish after
-    commit, events, why not).
+    Runs inside the caller's transaction. Returns (the row or None, pks now due in the
+    outbox, events, why not).
     """
     target = _target_of(previous)
     request = _request_again(previous, attempt=previous.attempt + 1,
@@ -381,7 +368,7 @@ def message_next_attempt(
                     .values_list("to_agent_id", flat=True))
         resolution = route_capability(capability=target[len(CAPABILITY_PREFIX):],
                                       from_agent_id=previous.from_agent_id, exclude=tried,
-                                      unacked=unacked_counts, now=now)
+                                      unacked=loads_of, now=now)
         to_agent_id = resolution.agent_id or target
     elif target.startswith("#"):
         # A group member's retry goes to the same member.
@@ -469,23 +456,10 @@ def reply_row(*, to: Any, message_type: str, payload: Any, now: datetime,
         headers=headers, payload=payload,
         in_reply_to=headers.get("inReplyTo") or headers.get("ackFor") or "",
         created_at=now, updated_at=now,
-        # Not answered itself, but published again by the sweep if it is still SENT then.
-        ack_deadline_at=ack_deadline(now),
+        # Due in the outbox now; an answer the broker has not taken within the idempotency
+        # window is of no use to its receiver any more, and ends FAILED there.
+        publish_at=now, deadline_at=now + timedelta(seconds=settings.REACH_IDEMPOTENCY_TTL_S),
     )
-
-
-def publish_request(pks: list[int]) -> None:
-    """Hand rows to the bridge for publishing: in-process when a bridge runs here, else
-    through Celery to the worker that runs one."""
-    from messages import runtime
-
-    bridge = runtime.current_bridge()
-    if bridge is not None:
-        bridge.submit(pks)
-        return
-    from messages.tasks import messages_publish
-
-    messages_publish.delay(pks)
 
 
 def message_resend(*, message_id: str, by: str, new_idempotency_key: bool = False,

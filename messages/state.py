@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from django.db import OperationalError, connection, models, transaction
 
 from messages.events import message_events
+from messages.load import Deltas, slot_of
 from messages.models import Message, Transition
 
 T = TypeVar("T")
@@ -115,15 +116,19 @@ class Applied:
     messages: list[Message] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
     skipped: int = 0
+    freed: set[str] = field(default_factory=set)  # agents with a slot more than before
 
 
 def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
     """Apply status changes set-wise: one locked read and one update per kind of change.
 
     A change whose row is not (or no longer) in an allowed status is skipped: a late ACK
-    never turns a COMPLETED request back into ACKED, and two workers never both act.
+    never turns a COMPLETED request back into ACKED, and two workers never both act. The
+    agents' kept in-flight and held counts move with the rows (messages/load.py), after the
+    rows are locked: the lock order.
     """
     result = Applied()
+    deltas = Deltas()
     groups: dict[tuple[str, frozenset[str], tuple[str, ...]], list[Change]] = defaultdict(list)
     for change in changes:
         groups[(change.to, change.allowed, tuple(sorted(change.fields)))].append(change)
@@ -140,11 +145,12 @@ def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
         result.skipped += len(group) - len(rows)
         for row in rows:
             change = by_id.get(row.message_id) or by_pk[row.pk]
-            previous = row.status
+            previous, slot = row.status, slot_of(row)
             row.status = to
             row.updated_at = now
             for name, value in change.fields.items():
                 setattr(row, name, value)
+            deltas.move(row.to_agent_id, slot, slot_of(row))
             transitions.append(Transition(
                 message=row, from_status=previous, to_status=to, at=now, reason=change.reason,
                 actor=change.actor, by=change.by,
@@ -154,6 +160,8 @@ def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
         if rows:
             Message.objects.bulk_update(rows, ["status", "updated_at", *field_names])
     Transition.objects.bulk_create(transitions)
+    deltas.write()
+    result.freed = deltas.freed()
     return result
 
 

@@ -1,9 +1,15 @@
-"""The delivery sweep (Celery beat, every REACH_RETRY_SWEEP_S): overdue transmissions become
-retries or end, due retries go out as new attempts, held messages get freed slots.
+"""The delivery sweep (Celery beat, every REACH_RETRY_SWEEP_S): unanswered transmissions
+become retries or end, due retries go out as new attempts, held messages get freed slots,
+and no open row outlives its task's deadline.
 
 Every claim is `select_for_update(skip_locked=True)` plus a status-guarded change, so two
 sweepers running at once never send the same attempt; a sweeper killed mid-claim rolls back
-and the rows wait for the next sweep.
+and the rows wait for the next sweep. Lock order: message rows, then agents
+(messages/delivery.py has the whole order).
+
+The console does not blame an agent for its own deafness: while no bridge hears the bus, and
+for one ack timeout after one hears again (the broker is still delivering what queued up),
+silence from a receiver is not judged.
 """
 
 from __future__ import annotations
@@ -15,11 +21,14 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from messages.delivery import ack_deadline, held_release, retry_or_give_up
+from messages.delivery import retry_or_give_up
 from messages.events import events_on_commit
-from messages.models import Direction, Message, Status, Transition
-from messages.outbound import message_next_attempt, publish_request
+from messages.load import held_release, loads_to_release
+from messages.models import OPEN_STATUSES, Direction, Message, Status, Transition
+from messages.outbound import message_next_attempt
+from messages.outbox import outbox_wake
 from messages.state import Change, atomic_retrying, changes_apply
+from roster.hearing import heard_for
 
 SWEEP_BATCH = 500
 
@@ -30,54 +39,70 @@ class SweepResult:
     given_up: int = 0
     attempts: int = 0
     released: int = 0
+    ended: int = 0
     publish: list[int] = field(default_factory=list)
 
 
+def _hearing_long_enough(now: datetime) -> bool:
+    return heard_for(window=timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS), now=now)
+
+
 def _overdue(now: datetime, result: SweepResult) -> list[dict]:
+    """Published task requests with no ACK by their ack deadline: another attempt, or the
+    end when attempts or the task's time ran out."""
+    if not _hearing_long_enough(now):
+        return []
     rows = list(
         Message.objects.select_for_update(skip_locked=True)
-        .filter(direction=Direction.SEND, message_type="TASK_REQUEST", held=False,
-                status__in=[Status.SENT, Status.PUBLISHED], ack_deadline_at__lt=now)
+        .filter(status=Status.PUBLISHED, ack_deadline_at__lt=now,
+                direction=Direction.SEND, message_type="TASK_REQUEST")
         .order_by("ack_deadline_at")[:SWEEP_BATCH]
     )
     changes = []
-    wait = settings.REACH_ACK_TIMEOUT_MS
+    silence = f"no ACK within {settings.REACH_ACK_TIMEOUT_MS} ms"
+    published = frozenset({Status.PUBLISHED})
     for row in rows:
-        silence = (f"no ACK within {wait} ms" if row.status == Status.PUBLISHED
-                   else f"the broker did not take it within {wait} ms")
         status, fields, why = retry_or_give_up(row, now=now)
         if status:
-            changes.append(Change(pk=row.pk, to=status, allowed=frozenset({row.status}),
-                                  actor="sweeper", reason=f"{silence}; {why}", fields=fields))
+            changes.append(Change(pk=row.pk, to=status, allowed=published, actor="sweeper",
+                                  reason=f"{silence}; {why}",
+                                  fields={"ack_deadline_at": None, **fields}))
             result.retrying += 1
             continue
-        # Never taken by the broker: a publish failure. Taken but never answered: expired.
-        terminal = Status.EXPIRED if row.status == Status.PUBLISHED else Status.FAILED
         words = f"{silence} on attempt {row.attempt}, and no retry: {why}"
-        changes.append(Change(pk=row.pk, to=terminal, allowed=frozenset({row.status}),
+        changes.append(Change(pk=row.pk, to=Status.EXPIRED, allowed=published,
                               actor="sweeper", reason=words,
-                              fields={"error": words, "finished_at": now}))
+                              fields={"error": words, "finished_at": now,
+                                      "ack_deadline_at": None}))
         result.given_up += 1
     return changes_apply(changes, now=now).events
 
 
-def _due(now: datetime, result: SweepResult) -> list[dict]:
-    rows = list(
-        Message.objects.select_for_update(skip_locked=True)
-        .filter(status=Status.RETRYING, next_attempt_at__lte=now)
-        .order_by("next_attempt_at")[:SWEEP_BATCH]
-    )
+def _due_attempts(now: datetime) -> SweepResult:
+    """Due retries, each in a transaction of its own: an attempt locks its row, then its
+    agent's load row (the lock order); several attempts in one transaction would take load
+    rows in no order."""
+    result = SweepResult()
+    due = list(Message.objects.filter(status=Status.RETRYING, next_attempt_at__lte=now)
+               .order_by("next_attempt_at").values_list("pk", flat=True)[:SWEEP_BATCH])
+    for pk in due:
+        part = atomic_retrying(lambda pk=pk: _run_step(
+            lambda now, tally, pk=pk: _due(now, tally, pk=pk), now))
+        result.given_up += part.given_up
+        result.attempts += part.attempts
+        result.publish += part.publish
+    return result
+
+
+def _due(now: datetime, result: SweepResult, *, pk: int) -> list[dict]:
+    rows = list(Message.objects.select_for_update(skip_locked=True)
+                .filter(pk=pk, status=Status.RETRYING, next_attempt_at__lte=now))
     events: list[dict] = []
     changes = []
     retrying = frozenset({Status.RETRYING})
     for row in rows:
         if row.deadline_at and row.deadline_at <= now:
-            words = "the task's deadline (timeoutMs) passed before the next attempt"
-            changes.append(Change(pk=row.pk, to=Status.EXPIRED, allowed=retrying,
-                                  actor="sweeper", reason=words,
-                                  fields={"error": words, "finished_at": now}))
-            result.given_up += 1
-            continue
+            continue  # _past_deadline ends it
         new, publish, more, why = message_next_attempt(previous=row, now=now)
         if new is None:
             terminal = Status.UNDELIVERABLE if "retry-storm" not in why else Status.EXPIRED
@@ -95,18 +120,67 @@ def _due(now: datetime, result: SweepResult) -> list[dict]:
     return events + changes_apply(changes, now=now).events
 
 
+def _deadline_words(row: Message) -> tuple[str, str]:
+    """(terminal status, reason) for an open row whose deadline passed, by what it waited
+    for: the console's own work says so, a receiver's silence says what was missing."""
+    timeout = (row.headers or {}).get("timeoutMs")
+    within = f"within {timeout} ms" if timeout else "before its deadline"
+    if row.message_type != "TASK_REQUEST":
+        return Status.FAILED, (f"the MQTT broker did not take this {row.message_type} {within}"
+                               ": the console could not publish it (broker unreachable?)")
+    if row.status == Status.SENT and row.held:
+        return Status.EXPIRED, (f"held behind {row.to_agent_id}'s maxInflight and not sent "
+                                f"{within} (the task's timeoutMs)")
+    if row.status == Status.SENT:
+        return Status.FAILED, (f"not published {within} (the task's timeoutMs): the console "
+                               "could not hand it to the MQTT broker (no bridge running, or "
+                               "the broker unreachable)")
+    if row.status == Status.PUBLISHED:
+        return Status.EXPIRED, f"published, no ACK {within} (the task's timeoutMs)"
+    if row.status == Status.ACKED:
+        return Status.EXPIRED, f"acknowledged, no response {within}"
+    return Status.EXPIRED, "the task's deadline (timeoutMs) passed before the next attempt"
+
+
+def _past_deadline(now: datetime, result: SweepResult) -> list[dict]:
+    """No open row outlives its deadline: each open status ends here at the latest. Rows
+    that wait on a receiver (PUBLISHED, ACKED) are judged only while the console hears."""
+    waiting_on_others = [Status.PUBLISHED, Status.ACKED]
+    statuses = [s for s in OPEN_STATUSES
+                if s not in waiting_on_others or _hearing_long_enough(now)]
+    rows = list(
+        Message.objects.select_for_update(skip_locked=True)
+        .filter(status__in=statuses, deadline_at__lt=now)
+        .order_by("deadline_at")[:SWEEP_BATCH]
+    )
+    changes = []
+    for row in rows:
+        status, words = _deadline_words(row)
+        changes.append(Change(pk=row.pk, to=status, allowed=frozenset({row.status}),
+                              actor="sweeper", reason=words,
+                              fields={"error": words, "finished_at": now, "held": False,
+                                      "publish_at": None, "ack_deadline_at": None}))
+    applied = changes_apply(changes, now=now)
+    result.ended += len(applied.messages)
+    return applied.events
+
+
 def deliveries_sweep(*, now: datetime | None = None) -> SweepResult:
-    """Three short transactions, each committing (and publishing) on its own: a long one
-    would hold message and agent locks that the bridge needs."""
+    """Short transactions, each committing on its own: a long one would hold message and
+    agent locks that the bridge needs."""
     now = now or timezone.now()
     result = SweepResult()
-    for step in (_overdue, _due, _release_held, _unpublished_replies):
-        # A step retried after a deadlock starts from a fresh tally.
-        part = atomic_retrying(lambda step=step: _run_step(step, now))
+    for step in (_overdue, _due_attempts, _release_held, _past_deadline):
+        if step is _due_attempts:
+            part = _due_attempts(now)
+        else:
+            # A step retried after a deadlock starts from a fresh tally.
+            part = atomic_retrying(lambda step=step: _run_step(step, now))
         result.retrying += part.retrying
         result.given_up += part.given_up
         result.attempts += part.attempts
         result.released += part.released
+        result.ended += part.ended
         result.publish += part.publish
     return result
 
@@ -115,34 +189,15 @@ def _run_step(step, now: datetime) -> SweepResult:
     part = SweepResult()
     events_on_commit(step(now, part))
     if part.publish:
-        transaction.on_commit(lambda: publish_request(part.publish))
+        outbox_wake()
     return part
 
 
 def _release_held(now: datetime, result: SweepResult) -> list[dict]:
-    agents = list(Message.objects.filter(direction=Direction.SEND, held=True, status=Status.SENT)
-                  .order_by().values_list("to_agent_id", flat=True).distinct()[:200])
-    publish, undeliverable = held_release(agent_ids=agents, now=now)
+    publish, undeliverable = held_release(agent_ids=loads_to_release(), now=now)
     result.released += len(publish)
     result.publish += publish
     return changes_apply(undeliverable, now=now).events
-
-
-def _unpublished_replies(now: datetime, result: SweepResult) -> list[dict]:
-    """The console's own ACKs and responses that the broker never took (the worker died
-    between commit and publish, or paho could not queue them): publish them again. A
-    receiver treats a repeated answer as the same answer."""
-    pks = list(
-        Message.objects.select_for_update(skip_locked=True)
-        .filter(direction=Direction.SEND, status=Status.SENT, ack_deadline_at__lt=now)
-        .exclude(message_type="TASK_REQUEST")
-        .order_by("ack_deadline_at").values_list("pk", flat=True)[:SWEEP_BATCH]
-    )
-    if pks:
-        Message.objects.filter(pk__in=pks, status=Status.SENT).update(
-            ack_deadline_at=ack_deadline(now))
-        result.publish += pks
-    return []
 
 
 PRUNE_BATCH = 2000

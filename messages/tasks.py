@@ -1,22 +1,9 @@
-"""Thin tasks: ids in, a service or the bridge does the work."""
+"""Thin tasks: a service does the work. Publishing is no task: bridges claim due rows from
+the outbox themselves (messages/outbox.py), whatever Celery pool runs them."""
 
 from __future__ import annotations
 
 from celery import shared_task
-
-from messages import runtime
-
-
-@shared_task(name="messages.tasks.messages_publish", ignore_result=True, acks_late=True,
-             autoretry_for=(LookupError,), retry_backoff=True, max_retries=20)
-def messages_publish(pks: list[int]) -> int:
-    """Hand SENT rows to this worker's bridge; a worker without one (REACH_BRIDGE=0) lets
-    another take the task."""
-    bridge = runtime.current_bridge()
-    if bridge is None:
-        raise LookupError("no MQTT bridge runs in this worker")
-    bridge.submit(pks)
-    return len(pks)
 
 
 @shared_task(name="messages.tasks.deliveries_sweep", ignore_result=True)
@@ -25,7 +12,8 @@ def deliveries_sweep() -> dict[str, int]:
 
     result = sweep()
     return {"retrying": result.retrying, "given_up": result.given_up,
-            "attempts": result.attempts, "released": result.released}
+            "attempts": result.attempts, "released": result.released,
+            "ended": result.ended}
 
 
 @shared_task(name="messages.tasks.messages_prune", ignore_result=True)
@@ -33,3 +21,10 @@ def messages_prune() -> int:
     from messages.sweeps import messages_prune as prune
 
     return prune()
+
+
+@shared_task(name="messages.tasks.loads_reconcile", ignore_result=True)
+def loads_reconcile() -> int:
+    from messages.load import loads_reconcile as reconcile
+
+    return reconcile()

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import socket
 import time
-from urllib.parse import urlparse
 
 from django.conf import settings
 from django.db import connection
@@ -46,20 +44,19 @@ def _check_redis() -> tuple[bool, str]:
 
 
 def _check_broker() -> tuple[bool, str]:
-    from messages import runtime
+    """A bridge (in any worker) is connected to the broker and its writes commit: the
+    console hears the bus and can publish. A broker that only accepts TCP is not enough."""
+    from roster.hearing import bridges_hearing
 
-    bridge = runtime.current_bridge()
-    if bridge is not None:
-        state = "connected" if bridge.connected.is_set() else "disconnected"
-        return bridge.connected.is_set(), f"bridge {state} to {bridge.url}"
-    if not settings.MQTT_URL:
-        return True, "embedded broker starts with the console"
-    parsed = urlparse(settings.MQTT_URL)
     try:
-        with socket.create_connection((parsed.hostname, parsed.port or 1883), timeout=1.0):
-            return True, f"reachable at {parsed.hostname}:{parsed.port or 1883}"
-    except OSError as exc:
-        return False, f"{settings.MQTT_URL}: {exc}"
+        live = bridges_hearing()
+    except Exception as exc:
+        return False, f"cannot tell (database: {type(exc).__name__})"
+    if not live:
+        return False, ("no MQTT bridge hears the bus: is a Celery worker running "
+                       "(REACH_BRIDGE=1), and can it reach MQTT_URL?")
+    names = ", ".join(row.instance for row in live)
+    return True, f"{len(live)} bridge(s) hear the bus: {names}"
 
 
 @require_GET
@@ -83,14 +80,9 @@ def readyz(request: HttpRequest) -> JsonResponse:
 @require_GET
 @never_cache
 def metrics(request: HttpRequest) -> HttpResponse:
-    """Prometheus text format: counters shared through the cache, plus this process's gauges."""
-    from messages import runtime
+    """Prometheus text format: counters shared through the cache, and which bridges hear."""
+    from roster.hearing import bridges_hearing
 
-    gauges = {}
-    bridge = runtime.current_bridge()
-    if bridge is not None:
-        stats = bridge.stats()
-        gauges = {"reach_bridge_connected": int(stats["connected"]),
-                  "reach_bridge_queued": stats["queued"],
-                  "reach_bridge_pending_pubacks": stats["pending_pubacks"]}
+    gauges = {f'reach_bridge_connected{{instance="{row.instance}"}}': 1
+              for row in bridges_hearing()}
     return HttpResponse(prometheus_text(gauges), content_type="text/plain; version=0.0.4")

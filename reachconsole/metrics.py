@@ -56,8 +56,12 @@ def prometheus_text(extra: Mapping[str, float] | None = None) -> str:
         for label, value in series:
             safe = label.replace("\\", "\\\\").replace('"', '\\"')
             lines.append(f'{metric}{{reason="{safe}"}} {value}' if label else f"{metric} {value}")
+    typed = set()
     for name, value in (extra or {}).items():
-        lines.append(f"# TYPE {name} gauge")
+        base = name.partition("{")[0]
+        if base not in typed:
+            typed.add(base)
+            lines.append(f"# TYPE {base} gauge")
         lines.append(f"{name} {value}")
     return "\n".join(lines) + "\n"
 

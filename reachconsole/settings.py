@@ -173,6 +173,11 @@ MQTT_MAX_QUEUED = env_int("MQTT_MAX_QUEUED", 10000, minimum=10)
 REACH_BRIDGE = env_bool("REACH_BRIDGE", True)  # run the MQTT bridge in Celery workers
 REACH_BRIDGE_INSTANCE = env_str("REACH_BRIDGE_INSTANCE", "1")
 REACH_BRIDGE_BATCH = env_int("REACH_BRIDGE_BATCH", 500, minimum=1)
+# The outbox (messages/outbox.py): how long a bridge's claim on a SENT row lasts before
+# another bridge may publish it again, and how often bridges look without being woken.
+REACH_OUTBOX_CLAIM_S = env_float("REACH_OUTBOX_CLAIM_S", 10.0, minimum=1.0)
+REACH_OUTBOX_POLL_S = env_float("REACH_OUTBOX_POLL_S", 1.0, minimum=0.05)
+REACH_OUTBOX_BATCH = env_int("REACH_OUTBOX_BATCH", 500, minimum=1)
 REACH_MAX_MESSAGE_BYTES = env_int("REACH_MAX_MESSAGE_BYTES", 256 * 1024, minimum=1024)
 
 # --- the roster ---------------------------------------------------------------------------
@@ -194,6 +199,8 @@ CELERY_BEAT_SCHEDULE = {
     "deliveries-sweep": {"task": "messages.tasks.deliveries_sweep",
                          "schedule": REACH_RETRY_SWEEP_S},
     "messages-prune": {"task": "messages.tasks.messages_prune", "schedule": 3600},
+    # The kept in-flight/held counts against the rows they count (messages/load.py).
+    "loads-reconcile": {"task": "messages.tasks.loads_reconcile", "schedule": 30},
 }
 
 # --- northbound API auth ------------------------------------------------------------------

@@ -14,9 +14,33 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}(\.[A-Za-z0-9][A-Za-z0-9_-
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 
 
-def stale_cutoff(now: datetime) -> datetime:
-    """An agent last heard before this has missed two heartbeats in a row: stale."""
-    return now - timedelta(milliseconds=2 * settings.REACH_HEARTBEAT_MS)
+_LOOKUP = object()
+
+
+def stale_cutoff(now: datetime, heard_since: datetime | None) -> datetime | None:
+    """Agents last heard before this have missed two heartbeats in a row: stale. None when
+    the console itself has not heard the bus for two heartbeats (down, restarting): it
+    cannot tell a silent agent from its own deafness, so nothing is stale."""
+    window = timedelta(milliseconds=2 * settings.REACH_HEARTBEAT_MS)
+    if heard_since is None or heard_since > now - window:
+        return None
+    return now - window
+
+
+def lapse_cutoff(now: datetime, heard_since: datetime | None) -> datetime | None:
+    """Leases that ended before this have lapsed. None until the console has heard the bus
+    for one full lease TTL: an outage of the console never ends an agent's lease, and after
+    it every agent gets a whole TTL to be heard."""
+    ttl = timedelta(milliseconds=settings.REACH_LEASE_TTL_MS)
+    if heard_since is None or heard_since > now - ttl:
+        return None
+    return now
+
+
+def _heard_since(now: datetime) -> datetime | None:
+    from roster.hearing import bus_heard_since
+
+    return bus_heard_since(now=now)
 
 
 class Namespace(models.Model):
@@ -109,17 +133,23 @@ class Agent(models.Model):
     def lease_remaining(self, now: datetime | None = None) -> timedelta:
         return self.lease_expires_at - (now or timezone.now())
 
-    def is_stale(self, now: datetime | None = None) -> bool:
+    def is_stale(self, now: datetime | None = None, heard_since=_LOOKUP) -> bool:
         """Missed two heartbeats in a row while its lease still runs: an early warning."""
         if self.status == self.Status.OFFLINE:
             return False
-        seen = self.last_heartbeat_at or self.registered_at
-        return seen < stale_cutoff(now or timezone.now())
-
-    def is_routable(self, now: datetime | None = None) -> bool:
-        """New work may be sent to it: online, lease valid, not draining."""
         now = now or timezone.now()
-        return self.status == self.Status.ONLINE and self.lease_expires_at > now
+        cutoff = stale_cutoff(now, _heard_since(now) if heard_since is _LOOKUP else heard_since)
+        return cutoff is not None and (self.last_heartbeat_at or self.registered_at) < cutoff
+
+    def lease_lapsed(self, now: datetime | None = None, heard_since=_LOOKUP) -> bool:
+        now = now or timezone.now()
+        cutoff = lapse_cutoff(now, _heard_since(now) if heard_since is _LOOKUP else heard_since)
+        return cutoff is not None and self.lease_expires_at <= cutoff
+
+    def is_routable(self, now: datetime | None = None, heard_since=_LOOKUP) -> bool:
+        """New work may be sent to it: online, lease valid, not draining."""
+        return (self.status == self.Status.ONLINE
+                and not self.lease_lapsed(now, heard_since=heard_since))
 
 
 class RosterEvent(models.Model):
@@ -151,3 +181,21 @@ class RosterEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M:%S} {self.agent_id} {self.kind}"
+
+
+class BusHearing(models.Model):
+    """One row per MQTT bridge: since when it has heard the bus without a gap.
+
+    The console judges leases and staleness only over time it could hear: while no bridge
+    hears (disconnected, database or Redis down, worker restarting), no lease runs out, and
+    once one hears again every agent gets a full lease TTL (PROTOCOL.md, "Outbound state
+    machine"). Written by roster.hearing only.
+    """
+
+    instance = models.CharField(max_length=200, unique=True)
+    # Null while this bridge does not hear the bus.
+    hearing_since = models.DateTimeField(null=True, blank=True)
+    heard_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.instance} since {self.hearing_since}"

@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
+from roster.hearing import bus_heard_since
 from roster.models import Agent, ClusterNode, RosterEvent, stale_cutoff
 
 STATUS_STALE = "STALE"
@@ -33,7 +34,9 @@ class AgentFilter:
 
 def _stale_q(now: datetime) -> Q:
     # Mirrors Agent.is_stale() so the filter and the badge always agree.
-    cutoff = stale_cutoff(now)
+    cutoff = stale_cutoff(now, bus_heard_since(now=now))
+    if cutoff is None:
+        return Q(pk__in=[])  # the console has not heard the bus long enough to judge
     return ~Q(status=Agent.Status.OFFLINE) & (
         Q(last_heartbeat_at__lt=cutoff)
         | Q(last_heartbeat_at__isnull=True, registered_at__lt=cutoff)

@@ -3,6 +3,9 @@ writes roster models.
 
 Each function owns its transaction and is keyword-only. Times come in as arguments where a
 caller (a test, a sweep) needs to control them.
+
+Lock order in the roster: a cluster node, then agents in agent id order. No roster
+transaction takes a lock of the messages app (messages/load.py has the console-wide order).
 """
 
 from __future__ import annotations
@@ -28,7 +31,16 @@ from roster.errors import (
     NodeNotFound,
     WrongNode,
 )
-from roster.models import NAME_RE, NAMESPACE_RE, NODE_ID_RE, Agent, ClusterNode, Namespace
+from roster.hearing import bus_heard_since
+from roster.models import (
+    NAME_RE,
+    NAMESPACE_RE,
+    NODE_ID_RE,
+    Agent,
+    ClusterNode,
+    Namespace,
+    lapse_cutoff,
+)
 from roster.models import RosterEvent as Event
 
 log = logging.getLogger(__name__)
@@ -209,7 +221,9 @@ def agent_register(
             namespace, _ = Namespace.objects.get_or_create(name=ref.namespace)
             node = _node_get_or_create(node_id)
             agent = (
-                Agent.objects.select_for_update()
+                # of=self: a FOR UPDATE over the join would lock the node row too, after
+                # the agent, where heartbeats lock the node first.
+                Agent.objects.select_for_update(of=("self",))
                 .select_related("node")
                 .filter(agent_id=ref.agent_id)
                 .first()
@@ -279,9 +293,10 @@ def agent_renew(
     """
     ref = agent_id_parse(agent_id)
     now = now or timezone.now()
+    lease = None
     with transaction.atomic():
         agent = (
-            Agent.objects.select_for_update().select_related("node")
+            Agent.objects.select_for_update(of=("self",)).select_related("node")
             .filter(agent_id=ref.agent_id).first()
         )
         if agent is None:
@@ -313,11 +328,15 @@ def agent_renew(
                     detail="heartbeat after the lease lapsed",
                 )
             agent.save(update_fields=update)
-            # A heartbeat over HTTP has the same effect as one over MQTT: the node is alive.
-            ClusterNode.objects.filter(pk=agent.node.pk).update(
-                last_seen_at=now, status=ClusterNode.Status.ONLINE
-            )
-            return _lease(agent, created=False)
+            lease = _lease(agent, created=False)
+    if lease is not None:
+        # A heartbeat over HTTP has the same effect as one over MQTT: the node is alive.
+        # After the agent's transaction: the roster locks a node before its agents
+        # (heartbeat_record, agent_register), never the other way round.
+        ClusterNode.objects.filter(pk=agent.node.pk).update(
+            last_seen_at=now, status=ClusterNode.Status.ONLINE
+        )
+        return lease
     # Raised after the commit so the recorded conflict stays for operators to see.
     raise WrongNode(
         f"{agent.agent_id} is registered on node {holder}, not {node_id}; "
@@ -328,7 +347,7 @@ def agent_renew(
 def _agent_for_update(agent_id: str) -> Agent:
     ref = agent_id_parse(agent_id)
     agent = (
-        Agent.objects.select_for_update().select_related("node")
+        Agent.objects.select_for_update(of=("self",)).select_related("node")
         .filter(agent_id=ref.agent_id).first()
     )
     if agent is None:
@@ -382,9 +401,13 @@ def leases_expire(*, now: datetime | None = None, batch: int = 5000) -> ExpiryCo
     """Set-wise sweep of lapsed leases: ONLINE → OFFLINE, DRAINING → removed.
 
     Rows are claimed with `skip_locked` and changed with updates guarded on the old status,
-    so two sweepers running at once never count, log or remove an agent twice.
+    so two sweepers running at once never count, log or remove an agent twice. Nothing
+    lapses until the console has heard the bus for a full TTL (roster.models.lapse_cutoff).
     """
     now = now or timezone.now()
+    cutoff = lapse_cutoff(now, bus_heard_since(now=now))
+    if cutoff is None:
+        return ExpiryCounts(offline=0, removed=0)
     with transaction.atomic():
         claimed = list(
             Agent.objects.select_for_update(skip_locked=True, of=("self",))
@@ -452,8 +475,11 @@ def node_seen(
 
 
 def nodes_sweep(*, now: datetime | None = None) -> int:
-    """Nodes not heard from within a lease TTL become SILENT. Returns how many changed."""
+    """Nodes not heard from within a lease TTL become SILENT (only once the console itself
+    has heard the bus that long). Returns how many changed."""
     now = now or timezone.now()
+    if lapse_cutoff(now, bus_heard_since(now=now)) is None:
+        return 0
     return ClusterNode.objects.filter(
         status=ClusterNode.Status.ONLINE, last_seen_at__lt=now - _lease_ttl()
     ).update(status=ClusterNode.Status.SILENT)

@@ -122,3 +122,21 @@ def stop_process(proc, timeout: float = 20) -> None:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def bus_heard(*, since: datetime, until: datetime, instance: str = "test-bridge") -> None:
+    """Record that a bridge has heard the bus from `since` without a gap up to `until`."""
+    from roster.hearing import hearing_record
+    from roster.models import BusHearing
+
+    hearing_record(instance=instance, now=since)
+    BusHearing.objects.filter(instance=instance).update(heard_at=until)
+    hearing_record(instance=instance, now=until)
+
+
+@pytest.fixture
+def console_hears(db):
+    """A console whose bridge has heard the bus all along (a day back, a day ahead): leases,
+    staleness and silence are judged on the clock alone, as tests that move `now` expect."""
+    moment = timezone.now()
+    bus_heard(since=moment - timedelta(days=1), until=moment + timedelta(days=1))

@@ -129,7 +129,7 @@ def test_garbage_is_counted_and_the_bridge_keeps_working(bridge, broker, client)
                 and "reach_dropped_self_total" in text and text)
 
     text = eventually(rejected, what="the rejections and the dropped echo in /metrics")
-    assert "reach_bridge_connected 1" in text
+    assert f'reach_bridge_connected{{instance="{bridge.client_id}"}} 1' in text
 
 
 def _database_url() -> str:

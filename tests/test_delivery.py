@@ -17,12 +17,13 @@ from messages.inbound import Incoming, messages_ingest
 from messages.models import Direction, Message, Status
 from messages.outbound import SendRefused, SendRequest, message_send
 from messages.state import Change, changes_apply
+from messages.outbox import outbox_claim
 from messages.sweeps import deliveries_sweep
 from reachconsole.models import AuditEntry
 from roster import services
 from tests.conftest import register, run_at_once
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 MT = protocol.MessageType
 
 
@@ -81,14 +82,18 @@ def test_an_unanswered_task_is_tried_five_times_then_expires(now):
     assert len({r.message_id for r in rows}) == 5
 
 
-def test_a_send_the_broker_never_took_fails_after_its_attempts(now, settings):
-    settings.REACH_RETRY_MAX_ATTEMPTS = 1
+def test_a_send_no_bridge_publishes_waits_then_fails_at_its_deadline(now, settings):
     register("fin.tax", "node-b", now=now)
-    row = message_send(request=SendRequest(to="fin.tax"), now=now)
-    deliveries_sweep(now=now + timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS + 1))
+    row = message_send(request=SendRequest(to="fin.tax", timeout_ms=10_000), now=now)
+    # The console's own outage burns no attempt: the row waits in the outbox.
+    deliveries_sweep(now=now + timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS * 2))
+    row.refresh_from_db()
+    assert (row.status, row.attempt) == (Status.SENT, 1)
+    deliveries_sweep(now=now + timedelta(milliseconds=10_001))
     row.refresh_from_db()
     assert row.status == Status.FAILED
-    assert "the broker did not take it" in row.error
+    assert row.error.startswith("not published within 10000 ms (the task's timeoutMs): the "
+                                "console could not hand it to the MQTT broker")
 
 
 def test_the_tasks_deadline_bounds_the_attempts(now):
@@ -268,7 +273,9 @@ def test_held_work_past_its_deadline_expires(now):
     held = message_send(request=SendRequest(to="fin.tax", timeout_ms=500), now=now)
     deliveries_sweep(now=now + timedelta(seconds=1))
     held.refresh_from_db()
-    assert held.status == Status.EXPIRED and "while it was held" in held.error
+    assert held.status == Status.EXPIRED
+    assert held.error == ("held behind fin.tax's maxInflight and not sent within 500 ms "
+                          "(the task's timeoutMs)")
 
 
 def test_a_console_agent_reached_by_capability_is_consumed_here(settings):
@@ -277,17 +284,21 @@ def test_a_console_agent_reached_by_capability_is_consumed_here(settings):
     assert row.status == Status.LOCAL_CONSUMED
 
 
-def test_an_answer_the_broker_never_took_is_published_again(now):
+def test_an_answer_whose_bridge_died_is_claimed_again(now, settings):
     env = protocol.new_envelope(message_type=MT.TASK_REQUEST, from_agent_id="fin.tax",
                                 to_agent_id="ops.probe", headers={"replyNodeId": "node-b"})
     result = messages_ingest(batch=[Incoming(protocol.inbox_topic("ooder", "console"),
                                              protocol.encode(env))],
                              node_id="console", prefix="ooder", now=now)
-    assert len(result.to_publish) == 2  # ACK and TASK_RESPONSE, never handed to a bridge
-    sweep = deliveries_sweep(now=now + timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS + 1))
-    assert sorted(sweep.publish) == sorted(result.to_publish)
-    again = deliveries_sweep(now=now + timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS + 2))
-    assert again.publish == []  # not every sweep: once per ack timeout
+    assert len(result.to_publish) == 2  # ACK and TASK_RESPONSE, due in the outbox
+    claimed = outbox_claim(limit=10, now=now)
+    assert sorted(r.pk for r in claimed) == sorted(result.to_publish)
+    # Claimed by a bridge that then died before the PUBACK: nobody takes them meanwhile...
+    assert outbox_claim(limit=10, now=now + timedelta(seconds=1)) == []
+    # ...and once the claim has run out, any bridge publishes them again.
+    later_on = now + timedelta(seconds=settings.REACH_OUTBOX_CLAIM_S + 0.1)
+    assert sorted(r.pk for r in outbox_claim(limit=10, now=later_on)) == sorted(
+        result.to_publish)
 
 
 def test_the_trace_starts_with_the_first_step():

@@ -20,7 +20,7 @@ from roster import services
 from roster.models import Agent, Namespace
 from tests.conftest import later, register
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
 
 def alias(text: str, agent_id: str, namespace: str) -> Alias:

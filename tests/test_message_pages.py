@@ -12,7 +12,7 @@ from reachconsole.models import AuditEntry
 from roster import services
 from tests.conftest import register
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 XSS = '<img src=x onerror="window.pwned=1">'
 
 

@@ -13,7 +13,7 @@ from messages.models import Direction, Message, Status, Transition
 from roster.models import Agent, ClusterNode, RosterEvent
 from tests.conftest import register, run_at_once
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 MT = protocol.MessageType
 PREFIX = "ooder"
 NODE = "console"

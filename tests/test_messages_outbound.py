@@ -9,7 +9,7 @@ from messages.outbound import SendRefused, SendRequest, message_send
 from roster import services
 from tests.conftest import FIN_TOKEN, ApiClient, later, register
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
 
 def send(to: str, **kwargs) -> Message:

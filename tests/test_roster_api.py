@@ -6,7 +6,7 @@ from roster import services
 from roster.models import Agent, ClusterNode, RosterEvent
 from tests.conftest import FIN_TOKEN, ROTATED_TOKEN, ApiClient, register
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
 REGISTER = {
     "agentId": "fin.tax", "nodeId": "node-a", "version": "1.2", "capabilities": ["tax"],
@@ -209,6 +209,9 @@ def test_it_serves_the_openapi_document(api):
 
 
 def test_it_reports_health_and_readiness(client):
+    from roster.hearing import hearing_record
+
+    hearing_record(instance="reach-console-1")  # a bridge hears the bus
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz")
     assert ready.status_code == 200

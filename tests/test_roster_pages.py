@@ -8,7 +8,7 @@ from roster import services
 from roster.models import Agent, RosterEvent
 from tests.conftest import register
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
 XSS = '<img src=x onerror="window.pwned=1">'
 

@@ -7,7 +7,7 @@ from roster.errors import AgentHeldElsewhere, AgentNotFound, InvalidAgentId, Inv
 from roster.models import Agent, ClusterNode, RosterEvent
 from tests.conftest import later, register, run_at_once
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
 
 def test_it_registers_an_agent_with_a_lease(now, settings):

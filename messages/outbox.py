@@ -1,0 +1,137 @@
+"""The database is the outbox: a send is a SENT row with `publish_at` set, nothing more.
+
+Whoever makes rows due (a send, a sweep, a release of held work) calls `outbox_wake()` in the
+same transaction; every bridge, in whatever process, claims due rows itself
+(`outbox_claim`: `skip_locked`, guarded on SENT), publishes them and marks them PUBLISHED on
+the PUBACK. No code needs to find "the process with the bridge", so any Celery pool works and
+several bridges share the work. A bridge that dies after its claim leaves the rows to come
+due again when the claim runs out (`REACH_OUTBOX_CLAIM_S`): a duplicate on the bus at worst,
+which receivers absorb by idempotency key, never a lost message.
+
+Waking: on PostgreSQL a `NOTIFY` issued inside the transaction is delivered only if it
+commits, to every bridge `LISTEN`ing on any connection; bridges in this process are also
+woken after commit. A slow poll (`REACH_OUTBOX_POLL_S`) covers everything else.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import connection, connections, transaction
+from django.utils import timezone
+
+from messages.models import Message, Status
+
+log = logging.getLogger(__name__)
+
+CHANNEL = "reach_outbox"
+_subscribers: list[Callable[[], None]] = []
+_subscribers_lock = threading.Lock()
+
+
+def outbox_wake() -> None:
+    """Rows became due in the current transaction: wake the bridges once it commits."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            # Transactional: sent at commit, dropped on rollback, collapsed per transaction.
+            cursor.execute(f"NOTIFY {CHANNEL}")
+    transaction.on_commit(_wake_local)
+
+
+def _wake_local() -> None:
+    with _subscribers_lock:
+        callbacks = list(_subscribers)
+    for callback in callbacks:
+        callback()
+
+
+def outbox_subscribe(callback: Callable[[], None]) -> None:
+    with _subscribers_lock:
+        _subscribers.append(callback)
+
+
+def outbox_unsubscribe(callback: Callable[[], None]) -> None:
+    with _subscribers_lock:
+        if callback in _subscribers:
+            _subscribers.remove(callback)
+
+
+def outbox_claim(*, limit: int, now: datetime | None = None) -> list[Message]:
+    """Claim up to `limit` due SENT rows for this bridge, oldest due first.
+
+    Locks only message rows (skip_locked: two bridges take disjoint rows), and moves each
+    claimed row's `publish_at` a claim's length ahead instead of clearing it, so a bridge
+    that dies before the PUBACK leaves the row to be claimed again.
+    """
+    now = now or timezone.now()
+    until = now + timedelta(seconds=settings.REACH_OUTBOX_CLAIM_S)
+    with transaction.atomic():
+        rows = list(
+            Message.objects.select_for_update(skip_locked=True)
+            .filter(status=Status.SENT, publish_at__lte=now)
+            .order_by("publish_at", "id")[:limit]
+        )
+        if rows:
+            claimed = Message.objects.filter(pk__in=[r.pk for r in rows],
+                                             status=Status.SENT).update(publish_at=until)
+            if claimed != len(rows):  # pragma: no cover - only if a row lock was not honoured
+                log.warning("outbox claim changed %d of %d locked rows", claimed, len(rows))
+    return rows
+
+
+def outbox_defer(*, pks: list[int], until: datetime) -> None:
+    """Rows a bridge claimed but could not hand to paho (its queue is full): due again at
+    `until`, for any bridge. Backpressure, not a failure: they stay SENT."""
+    if pks:
+        Message.objects.filter(pk__in=pks, status=Status.SENT).update(publish_at=until)
+
+
+class OutboxListener:
+    """PostgreSQL `LISTEN` on its own autocommit connection, in its own thread: calls `wake`
+    on every notification. Reconnects after a database outage; the bridge's slow poll covers
+    the gap."""
+
+    def __init__(self, wake: Callable[[], None], *, alias: str = "default"):
+        self.wake = wake
+        self.alias = alias
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if connections[self.alias].vendor != "postgresql":
+            return
+        self._thread = threading.Thread(target=self._run, name="outbox-listen", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(7)
+            self._thread = None
+
+    def _run(self) -> None:
+        import psycopg
+
+        params = connections[self.alias].get_connection_params()
+        params.pop("cursor_factory", None)
+        delay = 0.5
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(**params, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    delay = 0.5
+                    self.wake()  # whatever came due while we were not listening
+                    while not self._stop.is_set():
+                        for _ in conn.notifies(timeout=5.0):
+                            self.wake()
+                            break
+            except Exception as exc:  # the database is down: retry, the poll still runs
+                if self._stop.is_set():
+                    return
+                log.warning("outbox LISTEN connection lost (%s); retrying in %.1f s", exc, delay)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 10.0)

@@ -1,0 +1,86 @@
+"""The console's own outages are not the agents' fault (PROTOCOL.md, "Outbound state
+machine"): while no bridge hears the bus nothing lapses, goes stale or times out, and once
+one hears again every agent gets a full lease TTL."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.conf import settings
+
+from directory.resolver import resolve_agent_node
+from messages.models import Message, Status
+from messages.outbound import SendRequest, message_send
+from messages.sweeps import deliveries_sweep
+from roster import services
+from roster.hearing import bus_heard_since, hearing_lost, hearing_record
+from roster.models import Agent
+from tests.conftest import bus_heard, later, register
+
+pytestmark = pytest.mark.django_db
+TTL = settings.REACH_LEASE_TTL_MS
+
+
+def test_no_lease_lapses_while_no_bridge_hears_the_bus(now):
+    register("fin.tax", "node-b", now=now)
+    assert services.leases_expire(now=later(now, 10 * TTL)) == services.ExpiryCounts(0, 0)
+    assert Agent.objects.get(agent_id="fin.tax").status == Agent.Status.ONLINE
+
+
+def test_after_hearing_again_every_agent_gets_one_full_ttl(now):
+    register("fin.tax", "node-b", now=now)
+    back = later(now, 5 * TTL)  # the console was deaf for five TTLs
+    bus_heard(since=back, until=later(back, 2 * TTL))
+    assert services.leases_expire(now=later(back, TTL - 1)) == services.ExpiryCounts(0, 0)
+    assert services.leases_expire(now=later(back, TTL + 1)) == services.ExpiryCounts(1, 0)
+
+
+def test_a_gap_in_hearing_starts_the_clock_again(now):
+    hearing_record(instance="b1", now=now)
+    hearing_record(instance="b1", now=later(now, 1000))
+    assert bus_heard_since(now=later(now, 1000)) == now
+    hearing_record(instance="b1", now=later(now, 10_000))  # silent for 9 s: a gap
+    assert bus_heard_since(now=later(now, 10_000)) == later(now, 10_000)
+    hearing_lost(instance="b1")
+    assert bus_heard_since(now=later(now, 10_000)) is None
+
+
+def test_the_longest_hearing_bridge_counts(now):
+    bus_heard(since=now, until=later(now, 60_000), instance="b1")
+    bus_heard(since=later(now, 30_000), until=later(now, 60_000), instance="b2")
+    assert bus_heard_since(now=later(now, 60_000)) == now
+
+
+def test_an_agent_unheard_during_the_consoles_outage_is_not_stale(now):
+    register("fin.tax", "node-b", now=now)
+    moment = later(now, 2.5 * settings.REACH_HEARTBEAT_MS)  # two beats missed, lease valid
+    assert resolve_agent_node(to_agent_id="fin.tax", now=moment).ok
+    bus_heard(since=later(now, -TTL), until=moment)  # heard all along: the agent is silent
+    words = resolve_agent_node(to_agent_id="fin.tax", now=moment).reason
+    assert "stale: no heartbeat for" in words
+
+
+def test_silence_is_not_judged_while_the_console_is_deaf(now):
+    register("fin.tax", "node-b", now=now)
+    row = message_send(request=SendRequest(to="fin.tax", timeout_ms=600_000), now=now)
+    Message.objects.filter(pk=row.pk).update(status=Status.PUBLISHED, publish_at=None,
+                                             ack_deadline_at=later(now, 100))
+    deliveries_sweep(now=later(now, 60_000))
+    row.refresh_from_db()
+    assert (row.status, row.attempt) == (Status.PUBLISHED, 1)
+    bus_heard(since=now, until=later(now, 60_000))
+    deliveries_sweep(now=later(now, 60_000))
+    row.refresh_from_db()
+    assert row.status == Status.RETRYING
+
+
+def test_readiness_says_when_no_bridge_hears_the_bus(client):
+    answer = client.get("/readyz")
+    assert answer.status_code == 503
+    assert answer.json()["checks"]["broker"]["detail"].startswith(
+        "no MQTT bridge hears the bus")
+    hearing_record(instance="reach-console-1")
+    answer = client.get("/readyz")
+    assert answer.status_code == 200
+    assert answer.json()["checks"]["broker"]["detail"] == "1 bridge(s) hear the bus: reach-console-1"
