@@ -17,6 +17,7 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer
 
 from reachconsole.tokens import ServiceToken, token_match
+from reachconsole.unavailable import UNAVAILABLE_ERRORS, unavailable_response
 from roster.errors import RosterError
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,17 @@ def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
         request, 500, "internal_error",
         "the console failed to handle this request; it has been logged — retry later",
     )
+
+
+def _unavailable(request: HttpRequest, exc: Exception) -> HttpResponse:
+    # Ninja answers every error itself, so the 503 of reachconsole/unavailable.py for a
+    # database or Redis that is down has to be given here too; other errors of these
+    # classes (an SQL mistake) stay 500s.
+    return unavailable_response(request, exc) or _unexpected(request, exc)
+
+
+for _error_class in UNAVAILABLE_ERRORS:
+    api.add_exception_handler(_error_class, _unavailable)
 
 
 api.add_router("/roster", "roster.api.router")

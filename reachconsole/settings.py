@@ -53,6 +53,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Database or Redis down: 503 + Retry-After instead of 500, for everything below it.
+    "reachconsole.unavailable.UnavailableMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -85,7 +87,9 @@ TEMPLATES = [
 # --- database -----------------------------------------------------------------------------
 DATABASE_URL = env_str("DATABASE_URL") or f"sqlite:///{RUN_DIR / 'reachconsole.sqlite3'}"
 try:
-    _db = dj_database_url.parse(DATABASE_URL, conn_max_age=60, conn_health_checks=True)
+    # CONN_MAX_AGE 0: under ASGI every request runs in a thread of its own, and a connection
+    # kept per thread ran PostgreSQL out of connections. The pool below reuses them instead.
+    _db = dj_database_url.parse(DATABASE_URL, conn_max_age=0, conn_health_checks=True)
 except ValueError as exc:
     raise ImproperlyConfigured(f"DATABASE_URL is not usable: {exc}") from exc
 if _db["ENGINE"] == "django.db.backends.sqlite3":
@@ -99,12 +103,35 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
     }
     # A file, not shared-cache memory: tests run threads that write concurrently.
     _db["TEST"] = {"NAME": str(RUN_DIR / "test-reachconsole.sqlite3")}
-elif _db["ENGINE"] == "django.db.backends.postgresql" and env_bool("REACH_PG_PREPARED", True):
-    # Server-side binding lets psycopg prepare statements a connection runs often: the
-    # directory's and the bridge's queries are planned once, not on every call (planning
-    # was most of resolve()'s time, bench/resolve.py). Turn off behind PgBouncer in
-    # transaction mode, which cannot keep prepared statements.
-    _db.setdefault("OPTIONS", {}).update(server_side_binding=True, prepare_threshold=5)
+elif _db["ENGINE"] == "django.db.backends.postgresql":
+    _pg_options = _db.setdefault("OPTIONS", {})
+    if env_bool("REACH_PG_PREPARED", True):
+        # Server-side binding lets psycopg prepare statements a connection runs often: the
+        # directory's and the bridge's queries are planned once, not on every call (planning
+        # was most of resolve()'s time, bench/resolve.py). Pooled connections keep what they
+        # prepared. Turn off behind PgBouncer in transaction mode, which cannot keep
+        # prepared statements.
+        _pg_options.update(server_side_binding=True, prepare_threshold=5)
+    if env_bool("REACH_DB_POOL", True):
+        # One bounded pool per process: a request waits up to the timeout for a free
+        # connection, then answers 503 (reachconsole/unavailable.py), instead of opening one
+        # more and meeting "too many clients". Every process (Daphne, each Celery worker
+        # process, beat) has its own pool: docs/deployment.md, "Sizing connections".
+        # Min 0: Celery's Django fixup closes the pool around every task in a prefork
+        # child, and a pool that opens a minimum connects twice per task instead of once.
+        REACH_DB_POOL_MIN = env_int("REACH_DB_POOL_MIN", 0, minimum=0)
+        REACH_DB_POOL_MAX = env_int("REACH_DB_POOL_MAX", 8, minimum=1)
+        if REACH_DB_POOL_MAX < REACH_DB_POOL_MIN:
+            raise ImproperlyConfigured(
+                f"REACH_DB_POOL_MAX ({REACH_DB_POOL_MAX}) is below REACH_DB_POOL_MIN "
+                f"({REACH_DB_POOL_MIN})"
+            )
+        _pg_options["pool"] = {
+            "min_size": REACH_DB_POOL_MIN,
+            "max_size": REACH_DB_POOL_MAX,
+            "timeout": env_float("REACH_DB_POOL_TIMEOUT_S", 10.0, minimum=0.1),
+            "name": "reachconsole",
+        }
 DATABASES = {"default": _db}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
