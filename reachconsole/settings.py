@@ -157,13 +157,33 @@ else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
 CELERY_BROKER_URL = REDIS_URL or "memory://localhost/"
-if not REDIS_URL:
+if REDIS_URL:
+    # Redis can go away without closing the TCP connection (failover, NAT, firewall): bound
+    # connects and reads, keep the connections alive, and let kombu check the long-lived
+    # BRPOP/pub-sub connections, so a dead one is dropped and reconnected instead of waited
+    # on forever. socket_timeout stays well above kombu's 1 s BRPOP timeout.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "socket_connect_timeout": 5,
+        "socket_timeout": 10,
+        "socket_keepalive": True,
+        "health_check_interval": 10,
+    }
+else:
     # The in-memory transport polls; its 1 s default would delay every embedded task.
     CELERY_BROKER_TRANSPORT_OPTIONS = {"polling_interval": 0.05}
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 4
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A worker rides out a broker outage of any length: it retries the connection forever (the
+# default gives up after 100 attempts, about 45 minutes, and exits). Celery 5.7.0 must not be
+# used: its worker dies for good on a Redis restart (pyproject.toml, tests/
+# test_worker_survives_redis.py). Tasks stay running through a connection loss: every task is
+# idempotent and guards its claims, and cancelling them on loss can kill the worker itself
+# (celery#7185).
+CELERY_BROKER_CONNECTION_RETRY = True
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
+CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = False
 CELERY_BEAT_SCHEDULE_FILENAME = str(RUN_DIR / "celerybeat-schedule")
 CELERY_TIMEZONE = "UTC"
 
