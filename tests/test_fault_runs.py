@@ -1,0 +1,502 @@
+"""Fault runs: the console in production shape (PostgreSQL, Redis, Mosquitto, Daphne, a stock
+Celery worker and beat, all private: tests/stack.py) under a steady stream of tasks to a
+simulated node (tests/fakenode.py), with one fault injected in the middle of the stream.
+
+Every task sent is counted as completed, failed, stuck or executed twice (RELIABILITY.md:
+lost must be 0, duplicates on the bus must never become two executions). Slow (about a minute
+per fault), so it runs only with REACH_FAULT_RUNS=1 or in CI's second run
+(REACH_EXPECT_REAL_SERVICES=1).
+
+Definitions used in the table:
+- a task's outcome is its latest attempt: the last `a2a_message` row (by id) with its task id,
+  direction SEND and type TASK_REQUEST. completed = COMPLETED; failed = UNDELIVERABLE, FAILED,
+  EXPIRED, NACKED, TASK_ERROR, BUSY, or the console never took it (an HTTP answer other than
+  2xx, or 503 / no answer until the client's retry budget ran out); stuck = any other status
+  (or no row) when the wait ended; twice = the fake node executed its task more than once.
+- deadlocks: "deadlock detected" in the private PostgreSQL log plus in the console's process
+  logs during the test.
+- recovery s: from the start of the fault to the completion of the first task that was sent
+  after the fault started and completed. backlog s: from the start of the fault until every
+  task sent before the service was back was final (n/a if one never was).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+
+from tests.conftest import expect_real_services
+from tests.fakenode import FakeNode
+from tests.stack import HOST, Stack, stack_fixture  # noqa: F401 - the `stack` fixture
+
+ENABLED = os.environ.get("REACH_FAULT_RUNS") == "1" or expect_real_services()
+pytestmark = [
+    pytest.mark.skipif(not ENABLED, reason="fault runs start a private PostgreSQL, Redis, "
+                       "Mosquitto and the console's processes and take minutes: set "
+                       "REACH_FAULT_RUNS=1 (CI's second run sets REACH_EXPECT_REAL_SERVICES=1)"),
+    pytest.mark.timeout(600),
+]
+
+TASKS = int(os.environ.get("REACH_FAULT_TASKS", "300"))
+RATE = float(os.environ.get("REACH_FAULT_RATE", "15"))  # tasks per second
+DOWN_S = float(os.environ.get("REACH_FAULT_DOWN_S", "2"))
+FINAL_WAIT_S = float(os.environ.get("REACH_FAULT_WAIT_S", "45"))  # after the last send
+STALL_S = float(os.environ.get("REACH_FAULT_STALL_S", "15"))  # nothing moved: stop waiting
+TASK_TIMEOUT_MS = 120_000
+CLIENT_RETRY_BUDGET_S = 30  # how long the client keeps retrying one task on 503 / no answer
+NODE_ID = "node-f"
+AGENT_NAMES = ("alpha", "beta", "gamma")
+
+COMPLETED = "COMPLETED"
+FAILED = frozenset({"UNDELIVERABLE", "FAILED", "EXPIRED", "NACKED", "TASK_ERROR", "BUSY"})
+FINAL = FAILED | {COMPLETED}
+
+# fault id → (the service restart_service takes down, namespace of this fault's agents)
+FAULTS = {
+    "worker-kill": ("worker", "fworker"),
+    "redis-restart": ("redis", "fredis"),
+    "postgres-restart": ("postgres", "fpostgres"),
+    "broker-restart": ("mosquitto", "fbroker"),
+}
+RESULTS: list[dict] = []
+
+
+# --- the client ---------------------------------------------------------------------------------
+@dataclass
+class Sent:
+    index: int
+    task_id: str
+    to: str
+    started_at: float = 0.0  # wall clock, first try
+    answered_at: float = 0.0
+    http_status: int | None = None
+    api_status: str | None = None
+    outcome: str = "pending"  # taken | refused | error5xx | not_taken
+    detail: str = ""
+    retries_503: int = 0
+    transport_errors: int = 0
+
+
+def _post(stack: Stack, path: str, body: dict, timeout: float = 15) -> tuple[int, dict | str]:
+    request = urllib.request.Request(
+        f"{stack.base_url}{path}", data=json.dumps(body).encode(), method="POST",
+        headers={"Authorization": f"Bearer {stack.token}", "X-OODER-Source": "studio",
+                 "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw = response.read()
+            return response.status, json.loads(raw) if raw else {}
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()[:1000].decode(errors="replace")
+        try:
+            return exc.code, json.loads(raw)
+        except ValueError:
+            return exc.code, raw
+
+
+def send_task(stack: Stack, sent: Sent, payload: dict) -> None:
+    """POST /api/a2a/send until the console takes it or refuses it. 503 ("not taken") and no
+    answer at all are retried with the same task id after a short pause; any other 5xx is a
+    failure of the console and is not retried."""
+    sent.started_at = time.time()
+    body = {"to": sent.to, "payload": payload, "taskId": sent.task_id,
+            "timeoutMs": TASK_TIMEOUT_MS}
+    give_up = time.monotonic() + CLIENT_RETRY_BUDGET_S
+    while True:
+        try:
+            status, answer = _post(stack, "/api/a2a/send", body)
+        except OSError as exc:  # refused, reset, timed out: unknown whether it was taken
+            sent.transport_errors += 1
+            sent.detail = f"no answer: {exc}"
+            status, answer = None, None
+        sent.http_status = status
+        if status is not None and status < 500:
+            sent.answered_at = time.time()
+            if 200 <= status < 300:
+                sent.outcome = "taken"
+                sent.api_status = answer.get("status") if isinstance(answer, dict) else None
+            else:
+                sent.outcome = "refused"
+                sent.detail = f"{status} {str(answer)[:300]}"
+            return
+        if status is not None and status != 503:
+            sent.answered_at = time.time()
+            sent.outcome = "error5xx"
+            sent.detail = f"{status} {str(answer)[:300]}"
+            return
+        if status == 503:
+            sent.retries_503 += 1
+            sent.detail = f"503 {str(answer)[:300]}"
+        if time.monotonic() > give_up:
+            sent.answered_at = time.time()
+            sent.outcome = "not_taken"
+            return
+        time.sleep(0.5)
+
+
+class Sender(threading.Thread):
+    """Sends the tasks at RATE per second, one after the other, like one busy client."""
+
+    def __init__(self, stack: Stack, tasks: list[Sent], fault: str):
+        super().__init__(name="fault-run-sender", daemon=True)
+        self.stack, self.tasks, self.fault = stack, tasks, fault
+        self.progress = 0
+        self.reached: dict[int, threading.Event] = {}
+        self.error: BaseException | None = None
+
+    def when_sent(self, count: int) -> threading.Event:
+        return self.reached.setdefault(count, threading.Event())
+
+    def run(self) -> None:
+        try:
+            next_at = time.monotonic()
+            for sent in self.tasks:
+                pause = next_at - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)
+                next_at = max(next_at + 1 / RATE, time.monotonic() - 1 / RATE)
+                send_task(self.stack, sent, {"n": sent.index, "fault": self.fault})
+                self.progress += 1
+                if self.progress in self.reached:
+                    self.reached[self.progress].set()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            for event in self.reached.values():
+                event.set()
+
+
+# --- reading the outcome -------------------------------------------------------------------------
+LATEST_SQL = """
+SELECT DISTINCT ON (task_id) task_id, status, error,
+       extract(epoch FROM COALESCE(finished_at, updated_at)) AS done_at, attempt
+FROM a2a_message
+WHERE task_id = ANY(%s) AND direction = 'SEND' AND message_type = 'TASK_REQUEST'
+ORDER BY task_id, id DESC
+"""
+ROWS_SQL = """
+SELECT task_id, count(*), bool_or(status = 'COMPLETED')
+FROM a2a_message
+WHERE task_id = ANY(%s) AND direction = 'SEND' AND message_type = 'TASK_REQUEST'
+GROUP BY task_id
+"""
+
+
+def latest_rows(stack: Stack, task_ids: list[str]) -> dict[str, dict] | None:
+    try:
+        with stack.connect_db() as conn:
+            latest = {r[0]: {"status": r[1], "error": r[2],
+                             "done_at": float(r[3]) if r[3] is not None else None,
+                             "attempt": r[4]}
+                      for r in conn.execute(LATEST_SQL, (task_ids,))}
+            for task_id, rows, any_completed in conn.execute(ROWS_SQL, (task_ids,)):
+                latest[task_id].update(rows=rows, any_completed=any_completed)
+        return latest
+    except Exception as exc:  # the database may be the thing that is down
+        print(f"  (reading a2a_message failed: {type(exc).__name__}: {exc})")
+        return None
+
+
+def wait_final(stack: Stack, task_ids: list[str]) -> dict[str, dict]:
+    """Poll until every task's latest attempt is final, nothing moved for STALL_S, or
+    FINAL_WAIT_S passed."""
+    deadline = time.monotonic() + FINAL_WAIT_S
+    last_signature, last_change = None, time.monotonic()
+    rows: dict[str, dict] = {}
+    while True:
+        got = latest_rows(stack, task_ids)
+        if got is not None:
+            rows = got
+            if all(r["status"] in FINAL for r in rows.values()) and len(rows) == len(task_ids):
+                return rows
+            signature = tuple(sorted((t, r["status"], r["rows"]) for t, r in rows.items()))
+            if signature != last_signature:
+                last_signature, last_change = signature, time.monotonic()
+        now = time.monotonic()
+        if now > deadline or now - last_change > STALL_S:
+            return rows
+        time.sleep(1.0)
+
+
+# --- the table ---------------------------------------------------------------------------------
+COLUMNS = ("fault", "sent", "completed", "failed", "stuck", "twice", "deadlocks", "recovery s",
+           "backlog s", "503/5xx/noans", "run s")
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    return str(value)
+
+
+def table(results: list[dict]) -> str:
+    rows = [[_fmt(r[c]) for c in COLUMNS] for r in results]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(COLUMNS)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.rjust(w) if i else v.ljust(w)
+                        for i, (v, w) in enumerate(zip(row, widths, strict=True)))
+              for row in rows]
+    return "\n".join(lines)
+
+
+def classify(tasks: list[Sent], rows: dict[str, dict], node: FakeNode) -> dict:
+    completed, failed, stuck = [], [], []
+    for sent in tasks:
+        row = rows.get(sent.task_id)
+        if row is None:
+            (failed if sent.outcome in ("refused", "error5xx", "not_taken") else stuck).append(
+                sent)
+        elif row["status"] == COMPLETED:
+            completed.append(sent)
+        elif row["status"] in FAILED:
+            failed.append(sent)
+        else:
+            stuck.append(sent)
+    twice = node.executed_twice()
+    return {"completed": completed, "failed": failed, "stuck": stuck,
+            "twice": [t for t in tasks if t.task_id in twice]}
+
+
+def recovery_times(tasks: list[Sent], rows: dict[str, dict], fault: dict) -> tuple:
+    down_at, up_at = fault["down_at"], fault["up_at"]
+    after = [rows[t.task_id]["done_at"] for t in tasks
+             if t.started_at >= down_at and t.task_id in rows
+             and rows[t.task_id]["status"] == COMPLETED and rows[t.task_id]["done_at"]]
+    recovery = (min(after) - down_at) if after else None
+    before = [t for t in tasks if t.started_at < up_at]
+    done = [rows.get(t.task_id) for t in before]
+    if before and all(r and r["status"] in FINAL and r["done_at"] for r in done):
+        backlog = max(max(r["done_at"] for r in done) - down_at, 0.0)
+    else:
+        backlog = None
+    return recovery, backlog
+
+
+# --- the test ----------------------------------------------------------------------------------
+def warm_up(stack: Stack, agent: str, tag: str) -> str:
+    """One task end to end before the run, so the run measures faults, not start-up."""
+    task_id = f"{tag}-warmup"
+    status, answer = _post(stack, "/api/a2a/send", {"to": agent, "payload": {"warm": True},
+                                                     "taskId": task_id,
+                                                     "timeoutMs": TASK_TIMEOUT_MS})
+    if not 200 <= status < 300:
+        return f"warm-up send answered {status} {str(answer)[:300]}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        rows = latest_rows(stack, [task_id]) or {}
+        if rows.get(task_id, {}).get("status") == COMPLETED:
+            return ""
+        time.sleep(0.3)
+    return f"warm-up task did not complete in 30 s (latest: {rows.get(task_id)})"
+
+
+def _wait_for(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"{what} within {timeout} s")
+
+
+def test_the_harness_counts_what_it_should(stack: Stack):
+    """The yardstick before the measurements: the fake node executes a key once, answers a
+    repeat as a duplicate (with the response again), and reports a task run under two keys;
+    the classification tells completed, failed and stuck apart; the recovery arithmetic."""
+    import paho.mqtt.client as mqtt
+
+    from messages import protocol
+
+    prefix = stack.clean_run()
+    node = FakeNode(base_url=stack.base_url, token=stack.token, mqtt_host=HOST,
+                    mqtt_port=stack.mqtt_port, prefix=prefix, node_id=NODE_ID,
+                    agents=["fself.alpha"])
+    peer = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"selfcheck-{prefix}",
+                       protocol=mqtt.MQTTv5)
+    answers: list[protocol.Envelope] = []
+    subscribed = threading.Event()
+    peer.on_message = lambda c, u, m: answers.append(protocol.decode(m.payload))
+    peer.on_subscribe = lambda c, u, mid, rcs, p: subscribed.set()
+    try:
+        node.start()
+        peer.connect(HOST, stack.mqtt_port)
+        peer.subscribe(protocol.inbox_topic(prefix, "selfcheck"), qos=1)
+        peer.loop_start()
+        assert subscribed.wait(10)
+
+        def request(task_id: str, key: str) -> protocol.Envelope:
+            env = protocol.new_envelope(
+                message_type="TASK_REQUEST", from_agent_id="selfcheck.peer",
+                to_agent_id="fself.alpha", target_node_id=NODE_ID, task_id=task_id,
+                headers={"replyNodeId": "selfcheck", "originNodeId": "selfcheck",
+                         "idempotencyKey": key}, payload={"x": 1})
+            peer.publish(protocol.inbox_topic(prefix, NODE_ID), protocol.encode(env), qos=1)
+            return env
+
+        first = request("self-t1", "self-k1")
+        _wait_for(lambda: node.executions["self-k1"] and not node.stats()["pending"], 10,
+                  "the fake node did not execute self-k1")
+        again = request("self-t1", "self-k1")  # a retry: same key, new message id
+
+        def answered(env, kind):
+            return [a for a in answers if a.message_type == kind
+                    and env.message_id in (a.ack_for, a.in_reply_to)]
+
+        _wait_for(lambda: answered(again, "TASK_RESPONSE"), 10, "no response to the repeat")
+        assert node.executions["self-k1"] == 1
+        assert answered(first, "ACK")[0].payload == {}
+        assert answered(again, "ACK")[0].payload == {"duplicate": True}
+        assert answered(first, "TASK_RESPONSE")[0].origin_node_id == NODE_ID
+        assert node.executed_twice() == {}
+        request("self-t1", "self-k2")  # the same task under another key runs again
+        _wait_for(lambda: node.executed_twice(), 10, "a second execution was not reported")
+        assert node.executed_twice() == {"self-t1": 2}
+
+        # Through the console: one completes, one cannot be delivered, one is never answered.
+        ghost = "fself.ghost"
+        status, body = _post(stack, "/api/roster/agents", {"agentId": ghost,
+                                                            "nodeId": "ghost-node"})
+        assert status in (200, 201), body
+        tasks = [Sent(0, f"self-{prefix}-ok", "fself.alpha"),
+                 Sent(1, f"self-{prefix}-nobody", "fself.nobody"),
+                 Sent(2, f"self-{prefix}-ghost", ghost)]
+        for sent in tasks:
+            send_task(stack, sent, {"n": sent.index})
+        ids = [t.task_id for t in tasks]
+        _wait_for(lambda: (latest_rows(stack, ids) or {}).get(ids[0], {}).get("status")
+                  == COMPLETED, 30, "the console did not complete a task")
+        rows = latest_rows(stack, ids) or {}
+        outcome = classify(tasks, rows, node)
+        assert [t.index for t in outcome["completed"]] == [0], rows
+        assert [t.index for t in outcome["failed"]] == [1], (rows, tasks[1])
+        assert [t.index for t in outcome["stuck"]] == [2], rows
+        assert outcome["twice"] == []
+
+        # recovery: the first task sent after the fault that completed; backlog: until all
+        # sent before the service was back were final.
+        synthetic = [Sent(0, "a", "x", started_at=10), Sent(1, "b", "x", started_at=21),
+                     Sent(2, "c", "x", started_at=22), Sent(3, "d", "x", started_at=40)]
+        done = {"a": {"status": COMPLETED, "done_at": 30.0},
+                "b": {"status": "EXPIRED", "done_at": 26.0},
+                "c": {"status": COMPLETED, "done_at": 25.0},
+                "d": {"status": COMPLETED, "done_at": 41.0}}
+        fault = {"down_at": 20.0, "up_at": 23.0}
+        assert recovery_times(synthetic, done, fault) == (5.0, 10.0)
+        done["b"] = {"status": "PUBLISHED", "done_at": 26.0}
+        assert recovery_times(synthetic, done, fault) == (5.0, None)
+    finally:
+        peer.loop_stop()
+        peer.disconnect()
+        node.stop()
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_fault_run(stack: Stack, fault: str):
+    service, namespace = FAULTS[fault]
+    started = time.monotonic()
+    prefix = stack.clean_run()
+    offsets = stack.log_offsets()
+    agents = [f"{namespace}.{name}" for name in AGENT_NAMES]
+    node = FakeNode(base_url=stack.base_url, token=stack.token, mqtt_host=HOST,
+                    mqtt_port=stack.mqtt_port, prefix=prefix, node_id=NODE_ID, agents=agents)
+    tasks = [Sent(index=i, task_id=f"{fault}-{prefix}-{i:04d}", to=agents[i % len(agents)])
+             for i in range(TASKS)]
+    sender = Sender(stack, tasks, fault)
+    result: dict = {}
+    try:
+        node.start()
+        warm_note = warm_up(stack, agents[0], f"{fault}-{prefix}")
+        if warm_note:
+            print(f"\n[{fault}] {warm_note}")
+
+        fault_point = sender.when_sent(TASKS // 2)
+        sender.start()
+        assert fault_point.wait(TASKS / RATE + 120), "the sender did not reach the fault point"
+        fault_times = stack.restart_service(service, down_s=DOWN_S)
+        sender.join(timeout=TASKS * 2)
+        assert not sender.is_alive(), "the sender did not finish"
+        if sender.error:
+            raise sender.error
+        sent_done = time.time()
+
+        rows = wait_final(stack, [t.task_id for t in tasks])
+        outcome = classify(tasks, rows, node)
+        pg = stack.count_in_logs("deadlock detected", offsets)
+        pg_deadlocks = pg.pop("postgres", 0)
+        proc_deadlocks = sum(pg.values())
+        recovery, backlog = recovery_times(tasks, rows, fault_times)
+        http = Counter(t.outcome for t in tasks)
+        result = {
+            "fault": fault, "sent": len(tasks),
+            "completed": len(outcome["completed"]), "failed": len(outcome["failed"]),
+            "stuck": len(outcome["stuck"]), "twice": len(outcome["twice"]),
+            "deadlocks": pg_deadlocks + proc_deadlocks, "recovery s": recovery,
+            "backlog s": backlog,
+            "503/5xx/noans": (f"{sum(t.retries_503 for t in tasks)}/{http['error5xx']}/"
+                              f"{sum(t.transport_errors for t in tasks)}"),
+            "run s": time.monotonic() - started,
+        }
+        RESULTS.append(result)
+
+        statuses = Counter(r["status"] for r in rows.values())
+        statuses["(no row)"] = len(tasks) - len(rows)
+        down = fault_times["stopped_at"] - fault_times["down_at"]
+        back = fault_times["up_at"] - fault_times["down_at"]
+        print(f"\n[{fault}] prefix {prefix}; {service} stopping took {down:.1f} s, back after "
+              f"{back:.1f} s; sending ended {sent_done - fault_times['down_at']:.1f} s after "
+              "the fault")
+        print(f"[{fault}] latest-attempt statuses: {dict(statuses)}")
+        print(f"[{fault}] HTTP outcomes: {dict(http)}; API statuses: "
+              f"{dict(Counter(t.api_status for t in tasks))}")
+        latency = sorted(t.answered_at - t.started_at for t in tasks if t.answered_at)
+        if latency:
+            slowest = max(tasks, key=lambda t: t.answered_at - t.started_at)
+            print(f"[{fault}] send answered in p50 {latency[len(latency) // 2] * 1000:.0f} ms, "
+                  f"max {latency[-1] * 1000:.0f} ms (task {slowest.index}, sent "
+                  f"{slowest.started_at - fault_times['down_at']:+.1f} s from the fault)")
+        most = max((r["rows"] for r in rows.values()), default=0)
+        early = sum(1 for r in rows.values() if r["any_completed"] and r["status"] != COMPLETED)
+        print(f"[{fault}] attempts per task: max {most}; tasks whose earlier attempt completed "
+              f"but whose latest did not: {early}")
+        print(f"[{fault}] deadlocks: {pg_deadlocks} in the PostgreSQL log, "
+              f"{proc_deadlocks} in process logs {pg}")
+        print(f"[{fault}] tracebacks in process logs: "
+              f"{ {n: c for n, c in stack.count_in_logs('Traceback', offsets).items() if c} }")
+        print(f"[{fault}] fake node: {node.stats()}")
+        for label in ("failed", "stuck", "twice"):
+            examples = outcome[label][:3]
+            for sent in examples:
+                row = rows.get(sent.task_id) or {}
+                print(f"[{fault}]   e.g. {label}: {sent.task_id} http={sent.http_status} "
+                      f"{sent.outcome} {sent.detail[:160]!r} row={row.get('status')} "
+                      f"attempts={row.get('rows')} error={(row.get('error') or '')[:200]!r} "
+                      f"executions={node.executions_by_task.get(sent.task_id, 0)}")
+        print("\n" + table(RESULTS))
+
+        summary = (f"{fault}: completed {result['completed']}/{len(tasks)}, failed "
+                   f"{result['failed']}, stuck {result['stuck']}, twice {result['twice']}, "
+                   f"deadlocks {result['deadlocks']}, recovery {_fmt(recovery)} s, "
+                   f"backlog {_fmt(backlog)} s")
+        assert (result["completed"], result["failed"], result["stuck"], result["twice"],
+                result["deadlocks"]) == (len(tasks), 0, 0, 0, 0), summary + "\n" + table(RESULTS)
+    except BaseException:
+        print(f"\n[{fault}] logs of this run (stack dir {stack.tmp}):")
+        print(stack.tails(30, offsets))
+        raise
+    finally:
+        if sender.is_alive():
+            sender.join(5)
+        node.stop()
