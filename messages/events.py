@@ -136,6 +136,8 @@ class EventPublisher:
         self.failures = 0
         self.pending = 0
         self.dropped = 0
+        self._unlogged = 0
+        self._logged_at = -60.0
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Send on `loop` (the ASGI server's) from now on; None: back to a private loop."""
@@ -180,8 +182,12 @@ class EventPublisher:
         layer = get_channel_layer()
         if layer is None:
             return
-        listened = await sync_to_async(interest_in, thread_sensitive=False)(
-            [g for g in frames if g not in ALWAYS_SENT])
+        try:
+            listened = await sync_to_async(interest_in, thread_sensitive=False)(
+                [g for g in frames if g not in ALWAYS_SENT])
+        except Exception as exc:  # the cache (Redis) is down: push to the always-sent only
+            listened = set()
+            self._failed(sum(map(len, frames.values())), "the interest cache", exc)
         for group, events in frames.items():
             if group not in ALWAYS_SENT and group not in listened:
                 continue
@@ -191,11 +197,21 @@ class EventPublisher:
                     await layer.group_send(group, {"type": FRAME_TYPE, "events": chunk})
                     self.sent_frames += 1
                     self.sent_events += len(chunk)
-                except Exception:
+                except Exception as exc:
                     # A push is a hint (pages re-read the table on a gap); never let a
                     # channel-layer hiccup reach the code that wrote the rows.
-                    self.failures += 1
-                    log.exception("could not send %d events to %s", len(chunk), group)
+                    self._failed(len(chunk), group, exc)
+
+    def _failed(self, count: int, where: str, exc: Exception) -> None:
+        """Count a failed push; say so once a minute, not once per batch: while Redis is
+        down every batch fails, and a traceback each would bury what an operator needs."""
+        self.failures += 1
+        self._unlogged += count
+        now = time.monotonic()
+        if now - self._logged_at >= 60.0:
+            log.warning("could not push %d events (last to %s: %s: %s); pages re-read the "
+                        "table", self._unlogged, where, type(exc).__name__, exc)
+            self._unlogged, self._logged_at = 0, now
 
 
 publisher = EventPublisher()
