@@ -14,13 +14,14 @@ from ninja import Field, Router, Schema, Status
 from directory.routing import namespace_of
 from messages.models import Message
 from messages.outbound import (
-    SendRefused,
     SendRequest,
     message_resend,
     message_send,
     messages_send_group,
 )
-from reachconsole.api import ApiError
+from messages.rows import message_fields
+from messages.selectors import message_replies, task_attempts, task_requests, task_response
+from reachconsole.core.errors import ApiError
 from roster.services import agent_id_parse
 
 router = Router(tags=["a2a"])
@@ -56,13 +57,7 @@ def _iso(moment: datetime | None) -> str | None:
 
 def message_out(row: Message) -> dict[str, Any]:
     return {
-        "messageId": row.message_id, "taskId": row.task_id or None,
-        "messageType": row.message_type, "direction": row.direction, "status": row.status,
-        "error": row.error or None, "attempt": row.attempt,
-        "fromAgentId": row.from_agent_id or None, "toAgentId": row.to_agent_id or None,
-        "targetNodeId": row.target_node_id or None, "replyNodeId": row.reply_node_id or None,
-        "conversationId": row.conversation_id or None,
-        "sceneGroupId": row.scene_group_id or None, "sessionId": row.session_id or None,
+        **message_fields(row), "replyNodeId": row.reply_node_id or None,
         "idempotencyKey": row.idempotency_key or None, "inReplyTo": row.in_reply_to or None,
         "resendOf": row.resend_of.message_id if row.resend_of_id else None,
         "resolution": row.resolution,
@@ -117,18 +112,16 @@ def _send(caller, body: SendIn) -> tuple[int, dict]:
         conversation_id=body.conversation_id, scene_group_id=body.scene_group_id,
         session_id=body.session_id, idempotency_key=body.idempotency_key,
     )
-    try:
-        if to.startswith("#"):
-            rows = messages_send_group(group=to, request=send_request, by=caller.label)
-            fanned_out = rows[0].status != "UNDELIVERABLE"
-            out = {"taskId": rows[0].task_id,
-                   "status": "FANNED_OUT" if fanned_out else "UNDELIVERABLE",
-                   "messages": [message_out(r) for r in rows],
-                   "candidates": (rows[0].resolution or {}).get("candidates", [])}
-            return (202 if fanned_out else 200), out
-        row = message_send(request=send_request, actor="api", by=caller.label)
-    except SendRefused as exc:
-        raise ApiError(exc.status, exc.code, exc.detail) from None
+    # A SendRefused is a ConsoleError: the API root answers it with its status and words.
+    if to.startswith("#"):
+        rows = messages_send_group(group=to, request=send_request, by=caller.label)
+        fanned_out = rows[0].status != "UNDELIVERABLE"
+        out = {"taskId": rows[0].task_id,
+               "status": "FANNED_OUT" if fanned_out else "UNDELIVERABLE",
+               "messages": [message_out(r) for r in rows],
+               "candidates": (rows[0].resolution or {}).get("candidates", [])}
+        return (202 if fanned_out else 200), out
+    row = message_send(request=send_request, actor="api", by=caller.label)
     out = message_out(row)
     out["candidates"] = (row.resolution or {}).get("candidates", [])
     return (202 if row.status == "SENT" else 200), out
@@ -139,15 +132,12 @@ FINAL = {"COMPLETED", "TASK_ERROR", "UNDELIVERABLE", "FAILED", "NACKED", "EXPIRE
 
 def _task_outcome(task_id: str) -> dict | None:
     """The task's answer once it has one: its response, or how its last attempt ended."""
-    attempts = list(Message.objects.filter(task_id=task_id, direction="SEND",
-                                           message_type="TASK_REQUEST")
-                    .select_related("resend_of").order_by("created_at", "id"))
+    attempts = task_requests(task_id)
     answered = [m for m in attempts if m.status in ("COMPLETED", "TASK_ERROR")]
     if answered:
         row = answered[-1]
         out = message_out(row)
-        response = Message.objects.filter(in_reply_to=row.message_id,
-                                          message_type="TASK_RESPONSE").first()
+        response = task_response(row)
         out["response"] = response.payload if response else None
         return out
     last = attempts[-1] if attempts else None
@@ -178,13 +168,12 @@ def message_detail(request: HttpRequest, message_id: str):
     ]
     out["attempts"] = [
         {"messageId": m.message_id, "attempt": m.attempt, "status": m.status}
-        for m in Message.objects.filter(task_id=row.task_id, direction=row.direction)
-        .order_by("created_at", "id")
-    ] if row.task_id else []
+        for m in task_attempts(row)
+    ]
     out["replies"] = [
         {"messageId": m.message_id, "messageType": m.message_type, "status": m.status,
          "payload": m.payload, "createdAt": m.created_at.isoformat()}
-        for m in Message.objects.filter(in_reply_to=row.message_id).order_by("created_at", "id")
+        for m in message_replies(row)
     ]
     return Status(200, out)
 
@@ -203,11 +192,8 @@ def resend(request: HttpRequest, message_id: str, body: ResendIn | None = None):
         namespace = namespace_of(previous.to_agent_id)
         if namespace:
             request.auth.require_namespace(namespace)
-    try:
-        row = message_resend(message_id=message_id, by=request.auth.label,
-                             new_idempotency_key=body.new_idempotency_key)
-    except SendRefused as exc:
-        raise ApiError(exc.status, exc.code, exc.detail) from None
+    row = message_resend(message_id=message_id, by=request.auth.label,
+                         new_idempotency_key=body.new_idempotency_key)
     out = message_out(row)
     if body.new_idempotency_key:
         out["warning"] = ("sent with a new idempotency key: the receiver will run the work "

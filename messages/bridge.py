@@ -44,7 +44,6 @@ from messages.delivery import ack_deadline
 from messages.events import events_on_commit
 from messages.inbound import Incoming, messages_ingest
 from messages.models import Message, Status
-from messages.outbound import envelope_from_row
 from messages.outbox import (
     OutboxListener,
     outbox_claim,
@@ -52,8 +51,9 @@ from messages.outbox import (
     outbox_subscribe,
     outbox_unsubscribe,
 )
+from messages.rows import envelope_from_row
 from messages.state import Change, changes_apply
-from reachconsole.metrics import LocalCounter
+from reachconsole.core.metrics import LocalCounter
 from roster.hearing import hearing_lost, hearing_record
 from roster.services import agent_register, heartbeat_record
 

@@ -24,6 +24,7 @@ from django.core.cache import cache
 from django.db import transaction
 
 from messages.models import FAILURE_STATUSES, Message
+from messages.rows import message_fields
 
 log = logging.getLogger(__name__)
 
@@ -67,25 +68,8 @@ def event_groups(event: dict[str, Any]) -> list[str]:
 
 
 def message_events(message: Message, *, previous: str, reason: str = "") -> list[dict]:
-    body = {
-        "id": message.pk,
-        "messageId": message.message_id,
-        "taskId": message.task_id or None,
-        "messageType": message.message_type,
-        "direction": message.direction,
-        "status": message.status,
-        "previousStatus": previous or None,
-        "fromAgentId": message.from_agent_id or None,
-        "toAgentId": message.to_agent_id or None,
-        "targetNodeId": message.target_node_id or None,
-        "conversationId": message.conversation_id or None,
-        "sceneGroupId": message.scene_group_id or None,
-        "sessionId": message.session_id or None,
-        "attempt": message.attempt,
-        "error": message.error or None,
-        "reason": reason or None,
-        "at": message.updated_at.isoformat(),
-    }
+    body = {"id": message.pk, **message_fields(message), "previousStatus": previous or None,
+            "reason": reason or None, "at": message.updated_at.isoformat()}
     events = [{"event": EVENT_MESSAGE, **body}]
     if message.status in FAILURE_STATUSES and previous not in FAILURE_STATUSES:
         events.append({"event": EVENT_FAILED, **body})

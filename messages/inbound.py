@@ -30,21 +30,14 @@ from messages.handlers import LOCAL_HANDLERS
 from messages.idempotency import idempotency_claim, idempotency_release
 from messages.load import held_release
 from messages.models import Direction, Message, Status
-from messages.outbound import message_reroute, reply_row
+from messages.outbound import message_reroute
+from messages.rows import ReceivedRow, received_row, reply_row
 from messages.state import Change, changes_apply, messages_insert_new
 from roster.services import heartbeat_record
 
 log = logging.getLogger(__name__)
 MT = protocol.MessageType
 
-# Where an acknowledgement or response may move a row from.
-# An ACK also stops a retry that was only scheduled, and corrects a FAILED that only meant
-# "the broker seemed not to take it"; a response completes any attempt, even one that had
-# given up waiting: the work was done, and the record says so.
-ACKABLE = frozenset({Status.SENT, Status.PUBLISHED, Status.OBSERVED, Status.RETRYING,
-                     Status.FAILED})
-ANSWERABLE = frozenset({Status.SENT, Status.PUBLISHED, Status.ACKED, Status.OBSERVED,
-                        Status.RETRYING, Status.RETRIED, Status.EXPIRED, Status.FAILED})
 # An answered transmission leaves the ack-deadline index (the sweep costs what is due).
 ANSWERED = {"ack_deadline_at": None}
 _last_logged: dict[str, float] = {}
@@ -69,65 +62,6 @@ class IngestResult:
     stored: int = 0
     to_publish: list[int] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
-
-
-@dataclass(slots=True)
-class ReceivedRow:
-    """An inbound message on its way into `a2a_message`: the table's columns as plain
-    attributes. A Django model instance per message was the largest single cost of ingest
-    (docs/performance.md); the insert, the events and the rules only read attributes."""
-
-    message_id: str
-    task_id: str
-    idempotency_key: str
-    message_type: str
-    direction: str
-    status: str
-    from_agent_id: str
-    to_agent_id: str
-    target_node_id: str
-    origin_node_id: str
-    reply_node_id: str
-    conversation_id: str
-    scene_group_id: str
-    session_id: str
-    topic: str
-    headers: dict
-    payload: object
-    attempt: int
-    in_reply_to: str
-    created_at: datetime
-    updated_at: datetime
-    error: str = ""
-    resolution: dict | None = None
-    resend_of_id: int | None = None
-    published_at: datetime | None = None
-    acked_at: datetime | None = None
-    finished_at: datetime | None = None
-    deadline_at: datetime | None = None
-    publish_at: datetime | None = None
-    ack_deadline_at: datetime | None = None
-    next_attempt_at: datetime | None = None
-    held: bool = False
-    pk: int | None = None
-
-
-def _row(env: protocol.Envelope, *, topic: str, direction: str, now: datetime) -> ReceivedRow:
-    return ReceivedRow(
-        message_id=env.message_id, task_id=(env.task_id or "")[:200],
-        idempotency_key=env.idempotency_key[:200], message_type=env.message_type.value,
-        direction=direction, status=Status.RECV if direction == Direction.RECV else Status.OBSERVED,
-        from_agent_id=(env.from_agent_id or "")[:265], to_agent_id=(env.to_agent_id or "")[:265],
-        target_node_id=(env.target_node_id or "")[:128],
-        origin_node_id=(env.origin_node_id or "")[:128],
-        reply_node_id=(env.reply_node_id or "")[:128],
-        conversation_id=(env.conversation_id or "")[:200],
-        scene_group_id=(env.scene_group_id or "")[:200], session_id=(env.session_id or "")[:200],
-        topic=topic[:300], headers=env.headers, payload=env.payload, attempt=env.attempt,
-        # The message this one answers: a response's inReplyTo, an ACK/NACK/BUSY's ackFor.
-        in_reply_to=(env.in_reply_to or env.ack_for or "")[:200], created_at=now,
-        updated_at=now,
-    )
 
 
 def _is_self(env: protocol.Envelope, node_id: str) -> bool:
@@ -165,7 +99,7 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
             heartbeats.append((match.node_id, env))
             continue
         direction = Direction.RECV if match.node_id == node_id else Direction.OBSERVED
-        rows.append(_row(env, topic=item.topic, direction=direction, now=now))
+        rows.append(received_row(env, topic=item.topic, direction=direction, now=now))
 
     if heartbeats:
         # Their own short transaction: they lock roster rows, which the message batch
@@ -280,20 +214,20 @@ def _act(row: ReceivedRow, *, changes: list[Change], replies: list[Message], now
     payload = row.payload if isinstance(row.payload, dict) else {}
     ack_for = headers.get("ackFor") if isinstance(headers.get("ackFor"), str) else None
     if kind == MT.ACK and ack_for:
-        changes.append(Change(message_id=ack_for, to=Status.ACKED, allowed=ACKABLE,
+        changes.append(Change(message_id=ack_for, to=Status.ACKED,
                               reason="ACK" + (" (duplicate)" if payload.get("duplicate") else ""),
                               actor="bridge", fields={"acked_at": now, **ANSWERED}))
     elif kind == MT.NACK and ack_for:
         reason = str(payload.get("reason") or "refused by the receiver")[:2000]
         retry = "retryable" if payload.get("retryable") is True else "not retryable"
         error = f"{row.from_agent_id or 'the receiver'} refused it ({retry}): {reason}"
-        nacked = Change(message_id=ack_for, to=Status.NACKED, allowed=ACKABLE,
+        nacked = Change(message_id=ack_for, to=Status.NACKED,
                         reason=f"NACK ({retry}): {reason}", actor="bridge",
                         fields={"error": error, "finished_at": now, **ANSWERED})
         nacked.retryable = retry == "retryable"
         changes.append(nacked)
     elif kind == MT.BUSY and ack_for:
-        changes.append(Change(message_id=ack_for, to=Status.BUSY, allowed=ACKABLE,
+        changes.append(Change(message_id=ack_for, to=Status.BUSY,
                               reason="BUSY: the receiver's queue is full", actor="bridge",
                               fields={"error": "the receiver's queue was full (BUSY)",
                                       **ANSWERED}))
@@ -302,7 +236,7 @@ def _act(row: ReceivedRow, *, changes: list[Change], replies: list[Message], now
         error = "" if ok else f"the task failed: {str(payload.get('error'))[:2000]}"
         changes.append(Change(message_id=row.in_reply_to,
                               to=Status.COMPLETED if ok else Status.TASK_ERROR,
-                              allowed=ANSWERABLE, reason="TASK_RESPONSE", actor="bridge",
+                              reason="TASK_RESPONSE", actor="bridge",
                               fields={"finished_at": now, "error": error, **ANSWERED}))
         if row.direction == Direction.RECV:
             ack = reply_row(to=row, message_type=MT.ACK, payload={}, now=now,

@@ -45,6 +45,30 @@ RESENDABLE_STATUSES = frozenset(
      Status.BUSY}
 )
 
+# Every status change a row may make, and the only place that says so: each status, with
+# the statuses it may be reached from (SENT, RECV and OBSERVED are where rows start).
+# messages.state.changes_apply refuses anything else; a caller may only narrow it.
+# An answer also stops a retry that was only scheduled, and corrects a FAILED that only
+# meant "the broker seemed not to take it"; a response completes any attempt, even one that
+# had given up waiting: the work was done, and the record says so.
+_ANSWERED_FROM = frozenset({Status.SENT, Status.PUBLISHED, Status.OBSERVED, Status.RETRYING,
+                            Status.FAILED})
+_COMPLETED_FROM = _ANSWERED_FROM | {Status.ACKED, Status.RETRIED, Status.EXPIRED}
+TRANSITIONS: dict[str, frozenset[str]] = {
+    Status.PUBLISHED: frozenset({Status.SENT}),  # the broker's PUBACK
+    Status.ACKED: _ANSWERED_FROM,
+    Status.NACKED: _ANSWERED_FROM,
+    Status.BUSY: _ANSWERED_FROM,  # a BUSY answer, or a send refused at once
+    Status.RETRYING: _ANSWERED_FROM,  # no ACK in time, or a retryable NACK
+    Status.COMPLETED: _COMPLETED_FROM,
+    Status.TASK_ERROR: _COMPLETED_FROM,
+    Status.RETRIED: frozenset({Status.RETRYING}),  # a new attempt replaced it
+    Status.EXPIRED: OPEN_STATUSES,  # the task's deadline, or the attempts, ran out
+    Status.FAILED: frozenset({Status.SENT}),  # never published
+    Status.UNDELIVERABLE: frozenset({Status.SENT, Status.RETRYING}),
+    Status.LOCAL_CONSUMED: frozenset({Status.SENT, Status.RECV}),
+}
+
 
 class Message(models.Model):
     """One transmission. A retry or a resend is a new row with a new message id."""

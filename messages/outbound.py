@@ -7,11 +7,12 @@ import hashlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any
 
 from django.conf import settings
+from django.db import transaction
 from django.utils import timezone
 
 from directory.resolver import Resolution, is_local_agent, resolve, resolve_agent_node
@@ -29,9 +30,11 @@ from messages.models import (
     Transition,
 )
 from messages.outbox import outbox_wake
+from messages.rows import envelope_from_row, local_response_row, request_row
 from messages.state import atomic_retrying
-from reachconsole.metrics import counters_add
-from reachconsole.models import audit_record
+from reachconsole.core.audit import audit_record
+from reachconsole.core.errors import ConsoleError
+from reachconsole.core.metrics import counters_add
 from roster.services import agent_id_parse
 
 log = logging.getLogger(__name__)
@@ -40,19 +43,11 @@ _warned: dict[str, float] = {}
 WARN_EVERY_S = 60.0
 
 
-class SendRefused(Exception):
+class SendRefused(ConsoleError):
     """The send is not accepted at all: nothing is written."""
 
     code = "send_refused"
     status = 422
-
-    def __init__(self, detail: str, *, code: str | None = None, status: int | None = None):
-        super().__init__(detail)
-        self.detail = detail
-        if code:
-            self.code = code
-        if status:
-            self.status = status
 
 
 def _warn_once(agent_id: str, reason: str) -> None:
@@ -60,23 +55,6 @@ def _warn_once(agent_id: str, reason: str) -> None:
     if time.monotonic() - last > WARN_EVERY_S:
         _warned[agent_id] = time.monotonic()
         log.warning("undeliverable to %s: %s", agent_id, reason)
-
-
-def envelope_from_row(message: Message) -> protocol.Envelope:
-    return protocol.Envelope(
-        message_id=message.message_id,
-        message_type=protocol.MessageType(message.message_type),
-        task_id=message.task_id or None,
-        from_agent_id=message.from_agent_id or None,
-        to_agent_id=message.to_agent_id or None,
-        target_node_id=message.target_node_id or None,
-        conversation_id=message.conversation_id or None,
-        scene_group_id=message.scene_group_id or None,
-        session_id=message.session_id or None,
-        timestamp=int(message.created_at.timestamp() * 1000),
-        headers=dict(message.headers or {}),
-        payload=message.payload,
-    )
 
 
 def undeliverable_reason(resolution: Resolution) -> str:
@@ -105,6 +83,7 @@ class SendRequest:
 
 
 CAPABILITY_PREFIX = "capability:"
+RETRY_STORM = "retry_storm"
 
 
 def _resolve_target(request: SendRequest, now: datetime) -> tuple[str, Resolution]:
@@ -217,7 +196,7 @@ def _storm_guard(prepared: list[tuple[Message, Resolution]], *, now: datetime):
             pair = (row.task_id, res.agent_id)
             refusal = storm_refusal(row.task_id, res.agent_id, counts[pair])
             if refusal:
-                refused.append((row, SendRefused(refusal, code="retry_storm", status=429)))
+                refused.append((row, SendRefused(refusal, code=RETRY_STORM, status=429)))
                 continue
             counts[pair] += 1
         keep.append((row, res))
@@ -258,28 +237,8 @@ def _send_prepared(prepared: list[tuple[Message, Resolution]], *, actor: str, by
 
 
 def _request_row(request: SendRequest, *, to_agent_id: str, now: datetime) -> Message:
-    node_id = settings.REACH_NODE_ID
-    message_id = str(uuid.uuid4())
-    task_id = request.task_id or f"task-{message_id}"
-    timeout_ms = request.timeout_ms or 30000
-    headers = {
-        "replyNodeId": node_id,
-        "originNodeId": node_id,
-        "idempotencyKey": request.idempotency_key or task_id,
-        "timeoutMs": timeout_ms,
-        "attempt": request.attempt,
-    }
-    row = Message(
-        message_id=message_id, task_id=task_id, idempotency_key=headers["idempotencyKey"],
-        message_type=protocol.MessageType.TASK_REQUEST, direction=Direction.SEND,
-        status=Status.SENT, from_agent_id=request.from_agent_id or node_id,
-        to_agent_id=to_agent_id, target_node_id=request.target_node_id or "",
-        origin_node_id=node_id, reply_node_id=node_id,
-        conversation_id=request.conversation_id, scene_group_id=request.scene_group_id,
-        session_id=request.session_id, headers=headers, payload=request.payload,
-        attempt=request.attempt, resend_of=request.resend_of, created_at=now, updated_at=now,
-        deadline_at=now + timedelta(milliseconds=timeout_ms),
-    )
+    """The row for one send, refused (nothing written) when it cannot go on the wire."""
+    row = request_row(request=request, to_agent_id=to_agent_id, now=now)
     try:
         protocol.encode(envelope_from_row(row), max_bytes=settings.REACH_MAX_MESSAGE_BYTES)
     except protocol.PayloadTooLarge as exc:
@@ -350,15 +309,29 @@ def messages_send_group(*, group: str, request: SendRequest, actor: str = "api",
     return atomic_retrying(lambda: _send_and_publish(prepared, actor=actor, by=by, now=now))
 
 
+@dataclass
+class NextAttempt:
+    """What message_next_attempt did: the new row (None: not made, `why` in words and
+    `code` for callers to decide on), the pks now due in the outbox, and the events."""
+
+    row: Message | None
+    publish: list[int] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    why: str = ""
+    code: str = ""
+
+
+NOT_RESOLVED = "not_resolved"
+
+
 def message_next_attempt(
     *, previous: Message, now: datetime, actor: str = "sweeper", exclude_agent: bool = False
-) -> tuple[Message | None, list[int], list[dict], str]:
+) -> NextAttempt:
     """A new transmission of `previous`'s task: new message id, same task id and
     idempotency key, attempt + 1, linked to it, resolved afresh by the directory (for a
     capability, without the agents already tried when `exclude_agent`).
 
-    Runs inside the caller's transaction. Returns (the row or None, pks now due in the
-    outbox, events, why not).
+    Runs inside the caller's transaction.
     """
     target = _target_of(previous)
     request = _request_again(previous, attempt=previous.attempt + 1,
@@ -377,19 +350,19 @@ def message_next_attempt(
     else:
         to_agent_id, resolution = _resolve_target(request, now)
     if not resolution.ok:
-        return None, [], [], resolution.reason
+        return NextAttempt(None, why=resolution.reason, code=NOT_RESOLVED)
     try:
         row = _prepared_row(request, to_agent_id, resolution, now)
     except SendRefused as exc:
-        return None, [], [], exc.detail
+        return NextAttempt(None, why=exc.detail, code=exc.code)
     row.deadline_at = previous.deadline_at  # the task's deadline, not a new one
     row.resolution["target"] = target
     storm: list[tuple[Message, SendRefused]] = []
     rows, publish, events = _send_prepared([(row, resolution)], actor=actor, by="", now=now,
                                            refused=storm)
     if storm:
-        return None, [], [], storm[0][1].detail
-    return rows[0], publish, events, ""
+        return NextAttempt(None, why=storm[0][1].detail, code=storm[0][1].code)
+    return NextAttempt(rows[0], publish, events)
 
 
 def message_reroute(*, busy: Message, now: datetime) -> tuple[Message | None, list[int],
@@ -398,9 +371,8 @@ def message_reroute(*, busy: Message, now: datetime) -> tuple[Message | None, li
     target = (busy.resolution or {}).get("target", "")
     if not target.startswith(CAPABILITY_PREFIX):
         return None, [], []
-    row, publish, events, _ = message_next_attempt(previous=busy, now=now, actor="bridge",
-                                                   exclude_agent=True)
-    return row, publish, events
+    attempt = message_next_attempt(previous=busy, now=now, actor="bridge", exclude_agent=True)
+    return attempt.row, attempt.publish, attempt.events
 
 
 def _move(row: Message, to: str, *, reason: str, actor: str, now: datetime,
@@ -422,44 +394,9 @@ def _consume_locally(row: Message, *, now: datetime, actor: str) -> list[dict]:
     row.target_node_id = settings.REACH_NODE_ID
     events = _move(row, Status.LOCAL_CONSUMED, reason="handled by the console", actor=actor,
                    now=now, finished_at=now, target_node_id=row.target_node_id)
-    response = Message(
-        message_id=str(uuid.uuid4()), task_id=row.task_id, idempotency_key=row.idempotency_key,
-        message_type=protocol.MessageType.TASK_RESPONSE, direction=Direction.RECV,
-        status=Status.RECV, from_agent_id=row.to_agent_id, to_agent_id=row.from_agent_id,
-        target_node_id=settings.REACH_NODE_ID, origin_node_id=settings.REACH_NODE_ID,
-        conversation_id=row.conversation_id, scene_group_id=row.scene_group_id,
-        session_id=row.session_id, headers={"inReplyTo": row.message_id},
-        payload={"ok": True, "result": handler(row.payload)}, in_reply_to=row.message_id,
-        created_at=now, updated_at=now, finished_at=now,
-    )
+    response = local_response_row(request=row, result=handler(row.payload), now=now)
     response.save(force_insert=True)
     return events + message_events(response, previous="")
-
-
-def reply_row(*, to: Any, message_type: str, payload: Any, now: datetime,
-              extra_headers: dict | None = None) -> Message | None:
-    """An ACK/NACK/TASK_RESPONSE answering `to`, addressed to its reply node; None when the
-    sender left no way to answer (no replyNodeId)."""
-    node_id = settings.REACH_NODE_ID
-    reply_node = to.reply_node_id or ""
-    if not reply_node:
-        return None
-    headers = {"originNodeId": node_id, "replyNodeId": node_id, **(extra_headers or {})}
-    return Message(
-        message_id=str(uuid.uuid4()), task_id=to.task_id, idempotency_key="",
-        message_type=message_type, direction=Direction.SEND, status=Status.SENT,
-        from_agent_id=to.to_agent_id or node_id, to_agent_id=to.from_agent_id,
-        target_node_id=reply_node, origin_node_id=node_id, reply_node_id=node_id,
-        conversation_id=to.conversation_id, scene_group_id=to.scene_group_id,
-        session_id=to.session_id,
-        topic=protocol.inbox_topic(settings.MQTT_TOPIC_PREFIX, reply_node),
-        headers=headers, payload=payload,
-        in_reply_to=headers.get("inReplyTo") or headers.get("ackFor") or "",
-        created_at=now, updated_at=now,
-        # Due in the outbox now; an answer the broker has not taken within the idempotency
-        # window is of no use to its receiver any more, and ends FAILED there.
-        publish_at=now, deadline_at=now + timedelta(seconds=settings.REACH_IDEMPOTENCY_TTL_S),
-    )
 
 
 def message_resend(*, message_id: str, by: str, new_idempotency_key: bool = False,
@@ -469,16 +406,19 @@ def message_resend(*, message_id: str, by: str, new_idempotency_key: bool = Fals
     for, resolved afresh by the directory, linked with resend_of, under the storm guard.
     Audited, whether it is done or refused."""
     try:
-        row = _resend(message_id=message_id, by=by, new_idempotency_key=new_idempotency_key,
-                      now=now)
+        with transaction.atomic():
+            row = _resend(message_id=message_id, by=by, new_idempotency_key=new_idempotency_key,
+                          now=now)
+            # In the resend's own transaction: no resend without its audit row.
+            audit_record(actor=by, action="resend", target=message_id,
+                         detail=f"as {row.message_id} ({row.status})"
+                         + ("; new idempotency key: the work may run again"
+                            if new_idempotency_key else ""))
     except SendRefused as exc:
+        # Nothing was written: the refusal is recorded on its own.
         audit_record(actor=by, action="resend", target=message_id, result="refused",
                      detail=exc.detail)
         raise
-    audit_record(actor=by, action="resend", target=message_id,
-                 detail=f"as {row.message_id} ({row.status})"
-                 + ("; new idempotency key: the work may run again" if new_idempotency_key
-                    else ""))
     return row
 
 

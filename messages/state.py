@@ -18,7 +18,7 @@ from django.db import OperationalError, connection, models, transaction
 
 from messages.events import message_events
 from messages.load import Deltas, slot_of
-from messages.models import Message, Transition
+from messages.models import TRANSITIONS, Message, Transition
 
 T = TypeVar("T")
 INSERT_CHUNK = 400  # 24 columns × 400 rows stays under SQLite's 32,766 parameters
@@ -98,17 +98,22 @@ def _params(rows: list[Message], fields: list) -> list[tuple]:
 
 @dataclass
 class Change:
-    """Move the message `message_id` (or `pk`) to `to` if it is in one of `allowed`."""
+    """Move the message `message_id` (or `pk`) to `to`, if its status may go there
+    (messages.models.TRANSITIONS) and is one of `allowed` when given (a narrower guard)."""
 
     to: str
-    allowed: frozenset[str]
     reason: str
     actor: str
+    allowed: frozenset[str] | None = None
     message_id: str | None = None
     pk: int | None = None
     fields: dict[str, Any] = field(default_factory=dict)
     by: str = ""
     retryable: bool = False  # a NACK that allows another attempt
+
+
+_ORDER = {"PUBLISHED": 0, "ACKED": 1, "NACKED": 2, "BUSY": 2, "RETRYING": 3, "COMPLETED": 4,
+          "TASK_ERROR": 4}
 
 
 @dataclass
@@ -131,9 +136,18 @@ def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
     deltas = Deltas()
     groups: dict[tuple[str, frozenset[str], tuple[str, ...]], list[Change]] = defaultdict(list)
     for change in changes:
-        groups[(change.to, change.allowed, tuple(sorted(change.fields)))].append(change)
+        allowed = TRANSITIONS[change.to]
+        if change.allowed is not None:
+            if not change.allowed <= allowed:
+                raise ValueError(f"{sorted(change.allowed - allowed)} → {change.to} is not a "
+                                 "transition of messages.models.TRANSITIONS")
+            allowed = change.allowed
+        groups[(change.to, allowed, tuple(sorted(change.fields)))].append(change)
     transitions: list[Transition] = []
-    for (to, allowed, field_names), group in groups.items():
+    # In the order of the state machine: when one batch holds a request's ACK and its
+    # response, the ACK is applied first and the record keeps both.
+    for (to, allowed, field_names), group in sorted(groups.items(),
+                                                    key=lambda item: _ORDER.get(item[0][0], 9)):
         by_id = {c.message_id: c for c in group if c.message_id is not None}
         by_pk = {c.pk: c for c in group if c.pk is not None}
         qs = Message.objects.select_for_update().filter(status__in=allowed)

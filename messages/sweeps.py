@@ -25,7 +25,7 @@ from messages.delivery import retry_or_give_up
 from messages.events import events_on_commit
 from messages.load import held_release, loads_to_release
 from messages.models import OPEN_STATUSES, Direction, Message, Status, Transition
-from messages.outbound import message_next_attempt
+from messages.outbound import RETRY_STORM, message_next_attempt
 from messages.outbox import outbox_wake
 from messages.state import Change, atomic_retrying, changes_apply
 from roster.hearing import heard_for
@@ -103,16 +103,18 @@ def _due(now: datetime, result: SweepResult, *, pk: int) -> list[dict]:
     for row in rows:
         if row.deadline_at and row.deadline_at <= now:
             continue  # _past_deadline ends it
-        new, publish, more, why = message_next_attempt(previous=row, now=now)
+        attempt = message_next_attempt(previous=row, now=now)
+        new = attempt.row
         if new is None:
-            terminal = Status.UNDELIVERABLE if "retry-storm" not in why else Status.EXPIRED
-            words = f"attempt {row.attempt + 1} not made: {why}"
+            # The storm guard refusing it is the retries running out, not a lost address.
+            terminal = Status.EXPIRED if attempt.code == RETRY_STORM else Status.UNDELIVERABLE
+            words = f"attempt {row.attempt + 1} not made: {attempt.why}"
             changes.append(Change(pk=row.pk, to=terminal, allowed=retrying, actor="sweeper",
                                   reason=words, fields={"error": words, "finished_at": now}))
             result.given_up += 1
             continue
-        events += more
-        result.publish += publish
+        events += attempt.events
+        result.publish += attempt.publish
         result.attempts += 1
         changes.append(Change(pk=row.pk, to=Status.RETRIED, allowed=retrying, actor="sweeper",
                               reason=f"attempt {new.attempt} is {new.message_id}",

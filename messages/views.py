@@ -17,33 +17,27 @@ from django.views.decorators.http import require_GET, require_POST
 from django.views.decorators.vary import vary_on_headers
 
 from directory.routing import route_capability
-from messages.models import RESENDABLE_STATUSES, Direction, Message, Status
+from messages.models import Direction, Message, Status
 from messages.outbound import SendRefused, message_resend
-from reachconsole.models import audit_record
+from messages.selectors import (
+    SINCE_CHOICES,
+    MessageFilter,
+    message_is_resendable,
+    message_replies,
+    messages_filter,
+    resendable,
+    task_attempts,
+)
+from reachconsole.core.audit import audit_record
 from roster.models import Agent
 
 PAGE = 200
 BULK_LIMIT = 500
-SINCE_CHOICES = {"15": 15, "60": 60, "360": 360, "1440": 1440}
 
 
 def _filtered(request: HttpRequest):
-    get = request.GET
-    f = {"status": get.get("status", ""), "agent": get.get("agent", "").strip()[:265],
-         "direction": get.get("direction", ""), "since": get.get("since", "60"),
-         "q": get.get("q", "").strip()[:200]}
-    qs = Message.objects.all()
-    if f["status"] in Status.values:
-        qs = qs.filter(status=f["status"])
-    if f["direction"] in Direction.values:
-        qs = qs.filter(direction=f["direction"])
-    if f["agent"]:
-        qs = qs.filter(Q(to_agent_id=f["agent"]) | Q(from_agent_id=f["agent"]))
-    minutes = SINCE_CHOICES.get(f["since"], 60)
-    qs = qs.filter(created_at__gte=timezone.now() - timedelta(minutes=minutes))
-    if f["q"]:
-        qs = qs.filter(Q(message_id=f["q"]) | Q(task_id=f["q"]) | Q(conversation_id=f["q"]))
-    return qs.order_by("-created_at", "-id"), f
+    flt = MessageFilter.from_query(request.GET)
+    return messages_filter(flt), vars(flt)
 
 
 @require_GET
@@ -51,11 +45,9 @@ def _filtered(request: HttpRequest):
 @vary_on_headers("HX-Request")
 def message_list(request: HttpRequest) -> HttpResponse:
     qs, f = _filtered(request)
-    resendable = qs.filter(direction=Direction.SEND, message_type="TASK_REQUEST",
-                           status__in=list(RESENDABLE_STATUSES))
     context = {"rows": qs[:PAGE], "f": f, "statuses": Status.values,
                "directions": Direction.values, "since_choices": SINCE_CHOICES,
-               "resendable": resendable.count(), "bulk_limit": BULK_LIMIT,
+               "resendable": resendable(qs).count(), "bulk_limit": BULK_LIMIT,
                "can_resend": request.user.has_perm("a2a.resend_message"),
                "query": request.GET.urlencode()}
     if request.htmx and request.htmx.target == "messages-live":
@@ -67,12 +59,9 @@ def message_list(request: HttpRequest) -> HttpResponse:
 @login_required
 def message_trace(request: HttpRequest, message_id: str) -> HttpResponse:
     row = get_object_or_404(Message.objects.select_related("resend_of"), message_id=message_id)
-    attempts = (Message.objects.filter(task_id=row.task_id, direction=row.direction)
-                .order_by("created_at", "id") if row.task_id else [])
     return render(request, "messages/trace.html", {
-        "m": row, "transitions": row.transitions.all(), "attempts": attempts,
-        "replies": Message.objects.filter(in_reply_to=row.message_id).order_by("created_at"),
-        "resendable": row.direction == Direction.SEND and row.status in RESENDABLE_STATUSES,
+        "m": row, "transitions": row.transitions.all(), "attempts": task_attempts(row),
+        "replies": message_replies(row), "resendable": message_is_resendable(row),
         "can_resend": request.user.has_perm("a2a.resend_message"),
     })
 
@@ -100,9 +89,7 @@ def message_resend_bulk(request: HttpRequest) -> HttpResponse:
     each under the same guards as a single resend."""
     request.GET = request.POST  # the filters travel in the form
     qs, f = _filtered(request)
-    targets = list(qs.filter(direction=Direction.SEND, message_type="TASK_REQUEST",
-                             status__in=list(RESENDABLE_STATUSES))
-                   .values_list("message_id", flat=True)[:BULK_LIMIT])
+    targets = list(resendable(qs).values_list("message_id", flat=True)[:BULK_LIMIT])
     expected = request.POST.get("expected", "")
     if expected != str(len(targets)):
         flash.error(request, f"The selection changed ({expected} previewed, {len(targets)} "

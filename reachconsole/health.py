@@ -10,7 +10,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
-from reachconsole.metrics import prometheus_text
+from reachconsole.core.metrics import prometheus_text
 
 
 @require_GET

@@ -11,7 +11,7 @@ from django.core.cache import cache
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
-from reachconsole.models import audit_record
+from reachconsole.core.audit import audit_record
 
 
 def failure_keys(username: str, address: str) -> list[str]:

@@ -13,8 +13,8 @@ from urllib.parse import urlparse
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from reachconsole.env import env_bool, env_float, env_int, env_list, env_str
-from reachconsole.tokens import tokens_parse
+from reachconsole.core.env import env_bool, env_float, env_int, env_list, env_str
+from reachconsole.core.tokens import tokens_parse
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 RUN_DIR = Path(env_str("REACH_RUN_DIR", str(BASE_DIR / ".run")))
@@ -43,6 +43,7 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "reachconsole.core",
     "django_htmx",
     "channels",
     "reachconsole",

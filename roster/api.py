@@ -9,10 +9,8 @@ from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from ninja import Field, Query, Router, Schema, Status
 
-from reachconsole.api import ApiError
-from reachconsole.models import audit_record
-from roster import services
-from roster.errors import AgentNotFound
+from roster import errors, services
+from roster.errors import AgentNotFound, NamespaceForbidden
 from roster.models import Agent
 from roster.reconcile import node_consistency, roster_consistency
 from roster.selectors import AgentFilter, agents_filter, nodes_with_agents
@@ -133,7 +131,7 @@ def _existing_agent(request: HttpRequest, agent_id: str) -> Agent:
     request.auth.require_namespace(ref.namespace)
     agent = Agent.objects.select_related("node", "namespace").filter(agent_id=ref.agent_id).first()
     if agent is None:
-        raise AgentNotFound(f"{ref.agent_id} is not on the roster")
+        raise AgentNotFound(errors.AGENT_NOT_FOUND.format(agent_id=ref.agent_id))
     request.auth.require_owner(agent.owner)
     return agent
 
@@ -196,7 +194,6 @@ def heartbeat(request: HttpRequest, agent_id: str, body: HeartbeatIn | None = No
 def drain(request: HttpRequest, agent_id: str):
     agent = _existing_agent(request, agent_id)
     agent = services.agent_drain(agent_id=agent.agent_id, actor=request.auth.label)
-    audit_record(actor=request.auth.label, action="drain", target=agent.agent_id)
     agent.refresh_from_db()
     return Status(200, _agent_out(agent, timezone.now()))
 
@@ -205,8 +202,6 @@ def drain(request: HttpRequest, agent_id: str):
 def deregister(request: HttpRequest, agent_id: str):
     agent = _existing_agent(request, agent_id)
     node_id = services.agent_deregister(agent_id=agent.agent_id, actor=request.auth.label)
-    audit_record(actor=request.auth.label, action="deregister", target=agent.agent_id,
-                 detail=f"from {node_id}")
     return Status(200, {"agent_id": agent.agent_id, "node_id": node_id})
 
 
@@ -229,8 +224,7 @@ def nodes(request: HttpRequest):
                 by_alias=True)
 def consistency(request: HttpRequest):
     if request.auth.token.namespaces is not None:
-        raise ApiError(403, "namespace_forbidden",
-                       "the roster-wide consistency report needs a token not bound to namespaces")
+        raise NamespaceForbidden(errors.CONSISTENCY_NEEDS_ALL_NAMESPACES)
     return Status(200, [
         {"agent_id": row.agent_id, "node_id": row.node_id, "agent_status": row.agent_status,
          "status": row.consistency.value, "reason": row.reason}

@@ -1,18 +1,17 @@
 """What the roster refuses, in words an operator or a node's author can act on.
 
-Each error carries a stable code (the API's `error` field) and a status the API maps it to.
+Each error carries a stable code (the API's `error` field) and a status the API maps it to
+(reachconsole/core/errors.py).
 """
 
 from __future__ import annotations
 
+from reachconsole.core.errors import ConsoleError
 
-class RosterError(Exception):
+
+class RosterError(ConsoleError):
     code = "roster_error"
     status = 400
-
-    def __init__(self, detail: str):
-        super().__init__(detail)
-        self.detail = detail
 
 
 class InvalidAgentId(RosterError):
@@ -58,4 +57,38 @@ class ActorMismatch(RosterError):
 AGENT_ID_HELP = (
     "an agent id is `{namespace}.{name}` (or `namespace/name`): a lowercase namespace of "
     "letters, digits, '-' or '_', then a name of such segments joined by '.'"
+)
+
+# The words of each refusal, filled in with str.format where it is raised. Callers and tests
+# decide on the error's class or code; these constants are what tests compare the words to.
+AGENT_ID_MISSING = "agentId is missing; {help}"
+AGENT_ID_INVALID = "`{raw}` is not a valid agent id; {help}"
+NODE_ID_INVALID = (
+    "{field} `{raw}` is not a node id: 1-128 letters, digits, '-', '_', '.', "
+    "':' starting with a letter or digit (no '/', '+' or '#': it becomes an MQTT topic)"
+)
+LABELS_NOT_A_LIST = "{field} must be a list of at most {limit} names"
+LABEL_INVALID = "{field}: `{raw}` is not a name (letters, digits, '-', '_', '.')"
+METADATA_NOT_AN_OBJECT = "metadata must be a JSON object"
+METADATA_TOO_LARGE = (
+    "metadata is {size} bytes as JSON; the limit is {limit} bytes "
+    "(REACH_MAX_METADATA_BYTES). Keep large documents elsewhere and link to them."
+)
+MAX_INFLIGHT_OUT_OF_RANGE = "maxInflight must be between 1 and 100000"
+AGENT_HELD_ELSEWHERE = (
+    "{agent_id} is registered on node {holder} and its lease runs until {until}; drain or "
+    "deregister it there first, or wait for the lease to lapse"
+)
+AGENT_NOT_FOUND = "{agent_id} is not on the roster"
+AGENT_NOT_FOUND_ON_HEARTBEAT = (
+    "{agent_id} is not on the roster; register it with POST /api/roster/agents before "
+    "sending heartbeats"
+)
+WRONG_NODE = (
+    "{agent_id} is registered on node {holder}, not {node_id}; register it on the new node "
+    "once the old lease lapses"
+)
+NODE_NOT_FOUND = "node {node_id} is not known to the console"
+CONSISTENCY_NEEDS_ALL_NAMESPACES = (
+    "the roster-wide consistency report needs a token not bound to namespaces"
 )

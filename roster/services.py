@@ -1,8 +1,9 @@
 """Every write to the roster. Views, the API, tasks and the bridge call these; nothing else
 writes roster models.
 
-Each function owns its transaction and is keyword-only. Times come in as arguments where a
-caller (a test, a sweep) needs to control them.
+Each function owns its transaction and is keyword-only, and an action a person or a service
+asks for (drain, deregister) writes its audit row inside that transaction. Times come in as
+arguments where a caller (a test, a sweep) needs to control them.
 
 Lock order in the roster: a cluster node, then agents in agent id order. No roster
 transaction takes a lock of the messages app (messages/load.py has the console-wide order).
@@ -22,6 +23,8 @@ from django.core.cache import cache
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from reachconsole.core.audit import audit_record
+from roster import errors
 from roster.errors import (
     AGENT_ID_HELP,
     AgentHeldElsewhere,
@@ -75,23 +78,20 @@ class Lease:
 def agent_id_parse(raw: Any) -> AgentRef:
     """`fin.tax` or `fin/tax` → AgentRef; anything else raises InvalidAgentId."""
     if not isinstance(raw, str) or not raw.strip():
-        raise InvalidAgentId(f"agentId is missing; {AGENT_ID_HELP}")
+        raise InvalidAgentId(errors.AGENT_ID_MISSING.format(help=AGENT_ID_HELP))
     text = raw.strip()
     if "/" in text:
         namespace, _, name = text.partition("/")
     else:
         namespace, _, name = text.partition(".")
     if not NAMESPACE_RE.match(namespace) or not name or not NAME_RE.match(name):
-        raise InvalidAgentId(f"`{raw[:100]}` is not a valid agent id; {AGENT_ID_HELP}")
+        raise InvalidAgentId(errors.AGENT_ID_INVALID.format(raw=raw[:100], help=AGENT_ID_HELP))
     return AgentRef(namespace=namespace, name=name)
 
 
 def node_id_check(raw: Any, *, field: str = "nodeId") -> str:
     if not isinstance(raw, str) or not NODE_ID_RE.match(raw):
-        raise InvalidField(
-            f"{field} `{str(raw)[:100]}` is not a node id: 1-128 letters, digits, '-', '_', '.', "
-            "':' starting with a letter or digit (no '/', '+' or '#': it becomes an MQTT topic)"
-        )
+        raise InvalidField(errors.NODE_ID_INVALID.format(field=field, raw=str(raw)[:100]))
     return raw
 
 
@@ -99,16 +99,14 @@ def _labels_check(values: Any, *, field: str, prefix: str = "") -> list[str]:
     if values is None:
         return []
     if not isinstance(values, list) or len(values) > MAX_LABELS:
-        raise InvalidField(f"{field} must be a list of at most {MAX_LABELS} names")
+        raise InvalidField(errors.LABELS_NOT_A_LIST.format(field=field, limit=MAX_LABELS))
     clean: list[str] = []
     for value in values:
         name = value[len(prefix) :] if prefix and isinstance(value, str) and value.startswith(
             prefix
         ) else value
         if not isinstance(name, str) or not CAPABILITY_RE.match(name):
-            raise InvalidField(
-                f"{field}: `{str(value)[:60]}` is not a name (letters, digits, '-', '_', '.')"
-            )
+            raise InvalidField(errors.LABEL_INVALID.format(field=field, raw=str(value)[:60]))
         label = f"{prefix}{name}"
         if label not in clean:
             clean.append(label)
@@ -119,14 +117,11 @@ def _metadata_check(metadata: Any) -> dict:
     if metadata is None:
         return {}
     if not isinstance(metadata, dict):
-        raise InvalidField("metadata must be a JSON object")
+        raise InvalidField(errors.METADATA_NOT_AN_OBJECT)
     size = len(json.dumps(metadata, ensure_ascii=False).encode())
     limit = settings.REACH_MAX_METADATA_BYTES
     if size > limit:
-        raise InvalidField(
-            f"metadata is {size} bytes as JSON; the limit is {limit} bytes "
-            "(REACH_MAX_METADATA_BYTES). Keep large documents elsewhere and link to them."
-        )
+        raise InvalidField(errors.METADATA_TOO_LARGE.format(size=size, limit=limit))
     return metadata
 
 
@@ -201,7 +196,7 @@ def agent_register(
     grps = _labels_check(groups, field="groups", prefix="#")
     meta = _metadata_check(metadata)
     if max_inflight is not None and not (1 <= max_inflight <= 100_000):
-        raise InvalidField("maxInflight must be between 1 and 100000")
+        raise InvalidField(errors.MAX_INFLIGHT_OUT_OF_RANGE)
     now = now or timezone.now()
     fields = {
         "version": (version or "")[:64],
@@ -246,11 +241,10 @@ def agent_register(
             if agent.node_id != node.pk:
                 holder = agent.node.node_id
                 if agent.status != Agent.Status.OFFLINE and agent.lease_expires_at > now:
-                    raise AgentHeldElsewhere(
-                        f"{agent.agent_id} is registered on node {holder} and its lease runs "
-                        f"until {agent.lease_expires_at.isoformat()}; drain or deregister it "
-                        f"there first, or wait for the lease to lapse"
-                    )
+                    raise AgentHeldElsewhere(errors.AGENT_HELD_ELSEWHERE.format(
+                        agent_id=agent.agent_id, holder=holder,
+                        until=agent.lease_expires_at.isoformat(),
+                    ))
                 kind = Event.Kind.MOVED
                 agent.node = node
             for key, value in fields.items():
@@ -301,8 +295,7 @@ def agent_renew(
         )
         if agent is None:
             raise AgentNotFound(
-                f"{ref.agent_id} is not on the roster; register it with "
-                "POST /api/roster/agents before sending heartbeats"
+                errors.AGENT_NOT_FOUND_ON_HEARTBEAT.format(agent_id=ref.agent_id)
             )
         holder = agent.node.node_id
         if node_id is not None and holder != node_id:
@@ -339,8 +332,7 @@ def agent_renew(
         return lease
     # Raised after the commit so the recorded conflict stays for operators to see.
     raise WrongNode(
-        f"{agent.agent_id} is registered on node {holder}, not {node_id}; "
-        "register it on the new node once the old lease lapses"
+        errors.WRONG_NODE.format(agent_id=agent.agent_id, holder=holder, node_id=node_id)
     )
 
 
@@ -351,7 +343,7 @@ def _agent_for_update(agent_id: str) -> Agent:
         .filter(agent_id=ref.agent_id).first()
     )
     if agent is None:
-        raise AgentNotFound(f"{ref.agent_id} is not on the roster")
+        raise AgentNotFound(errors.AGENT_NOT_FOUND.format(agent_id=ref.agent_id))
     return agent
 
 
@@ -359,20 +351,21 @@ def agent_drain(*, agent_id: str, actor: str = "", now: datetime | None = None) 
     """Phase 1 of leaving: from this moment no new work is routed to the agent.
 
     Its lease keeps running so work already in flight can finish; when the lease lapses the
-    sweeper removes it. Draining twice is a no-op.
+    sweeper removes it. Draining twice changes nothing, but is audited all the same: the
+    request was made and accepted.
     """
     now = now or timezone.now()
     with transaction.atomic():
         agent = _agent_for_update(agent_id)
-        if agent.status == Agent.Status.DRAINING:
-            return agent
-        agent.status = Agent.Status.DRAINING
-        agent.drained_at = now
-        agent.save(update_fields=["status", "drained_at", "updated_at"])
-        Event.objects.create(
-            agent_id=agent.agent_id, node_id=agent.node.node_id, kind=Event.Kind.DRAINED,
-            actor=actor, at=now,
-        )
+        if agent.status != Agent.Status.DRAINING:
+            agent.status = Agent.Status.DRAINING
+            agent.drained_at = now
+            agent.save(update_fields=["status", "drained_at", "updated_at"])
+            Event.objects.create(
+                agent_id=agent.agent_id, node_id=agent.node.node_id, kind=Event.Kind.DRAINED,
+                actor=actor, at=now,
+            )
+        audit_record(actor=actor, action="drain", target=agent.agent_id)
     return agent
 
 
@@ -388,6 +381,8 @@ def agent_deregister(*, agent_id: str, actor: str = "", now: datetime | None = N
             agent_id=agent.agent_id, node_id=node_id, kind=Event.Kind.DEREGISTERED,
             actor=actor, at=now,
         )
+        audit_record(actor=actor, action="deregister", target=agent.agent_id,
+                     detail=f"from {node_id}")
     return node_id
 
 
@@ -488,7 +483,7 @@ def nodes_sweep(*, now: datetime | None = None) -> int:
 def node_retire(*, node_id: str, retired: bool = True) -> ClusterNode:
     with transaction.atomic():
         if not ClusterNode.objects.filter(node_id=node_id).update(retired=retired):
-            raise NodeNotFound(f"node {node_id} is not known to the console")
+            raise NodeNotFound(errors.NODE_NOT_FOUND.format(node_id=node_id))
     return ClusterNode.objects.get(node_id=node_id)
 
 

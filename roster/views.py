@@ -11,7 +11,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 from django.views.decorators.vary import vary_on_headers
 
-from reachconsole.models import audit_record
+from reachconsole.core.audit import audit_record
 from roster import services
 from roster.errors import RosterError
 from roster.models import Agent, RosterEvent
@@ -73,14 +73,14 @@ def _agent_action(request: HttpRequest, agent_id: str, action: str) -> HttpRespo
     try:
         if action == "drain":
             services.agent_drain(agent_id=agent_id, actor=actor)
-            audit_record(actor=actor, action="drain", target=agent_id)
             messages.success(request, f"{agent_id} is draining: no new work is routed to it.")
             return redirect("roster:agent", agent_id=agent_id)
         node_id = services.agent_deregister(agent_id=agent_id, actor=actor)
-        audit_record(actor=actor, action="deregister", target=agent_id, detail=f"from {node_id}")
         messages.success(request, f"{agent_id} was deregistered from node {node_id}.")
         return redirect("roster:health")
     except RosterError as exc:
+        # The service audits what it did, in its transaction; a refusal changed nothing and
+        # is audited here.
         audit_record(actor=actor, action=action, target=agent_id, result="refused",
                      detail=exc.detail)
         messages.error(request, exc.detail)

@@ -7,7 +7,7 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from reachconsole.tokens import tokens_parse
+from reachconsole.core.tokens import tokens_parse
 from roster import services
 from tests.mqtt import broker, mqtt_settings  # noqa: F401 - fixtures for every test module
 

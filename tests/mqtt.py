@@ -13,7 +13,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from django.conf import settings
 
-from reachconsole.embedded_broker import EmbeddedBroker
+from reachconsole.dev.embedded_broker import EmbeddedBroker
 
 
 def free_port() -> int:

@@ -22,8 +22,8 @@ from messages import protocol
 from messages.bridge import Bridge
 from messages.models import Direction, Message, Status
 from messages.outbound import SendRequest, message_send, messages_send
-from messages.simulator import Knobs, SimulatedCluster
 from messages.sweeps import deliveries_sweep
+from reachconsole.dev.simulator import Knobs, SimulatedCluster
 from roster.models import Agent, ClusterNode
 from tests.conftest import TOKEN, register, stop_process
 from tests.mqtt import free_port
@@ -282,7 +282,7 @@ class EmbeddedBrokerProcess:
         self.proc = None
 
     def start(self):
-        code = ("import time; from reachconsole.embedded_broker import EmbeddedBroker; "
+        code = ("import time; from reachconsole.dev.embedded_broker import EmbeddedBroker; "
                 f"EmbeddedBroker(port={self.port}).start(); time.sleep(10**6)")
         self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
         eventually(lambda: _port_open(self.port), 20, "the embedded broker listening")

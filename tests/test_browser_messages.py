@@ -8,7 +8,7 @@ from playwright.sync_api import expect
 
 from messages.models import Message
 from messages.outbound import SendRequest, message_send
-from reachconsole.models import AuditEntry
+from reachconsole.core.audit import AuditEntry
 from tests.browser import chromium_page
 from tests.conftest import register
 

@@ -4,8 +4,6 @@ one hears again every agent gets a full lease TTL."""
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 from django.conf import settings
 
@@ -83,4 +81,5 @@ def test_readiness_says_when_no_bridge_hears_the_bus(client):
     hearing_record(instance="reach-console-1")
     answer = client.get("/readyz")
     assert answer.status_code == 200
-    assert answer.json()["checks"]["broker"]["detail"] == "1 bridge(s) hear the bus: reach-console-1"
+    assert answer.json()["checks"]["broker"]["detail"] == (
+        "1 bridge(s) hear the bus: reach-console-1")

@@ -16,10 +16,10 @@ from messages.idempotency import idempotency_claim
 from messages.inbound import Incoming, messages_ingest
 from messages.models import Direction, Message, Status
 from messages.outbound import SendRefused, SendRequest, message_send
-from messages.state import Change, changes_apply
 from messages.outbox import outbox_claim
+from messages.state import Change, changes_apply
 from messages.sweeps import deliveries_sweep
-from reachconsole.models import AuditEntry
+from reachconsole.core.audit import AuditEntry
 from roster import services
 from tests.conftest import register, run_at_once
 

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
 
-from reachconsole.embedded_broker import BrokerPortInUse, EmbeddedBroker
+from reachconsole.dev.embedded_broker import BrokerPortInUse, EmbeddedBroker
 
 WAIT = 5.0
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -179,3 +183,18 @@ def test_it_releases_the_port_on_stop_and_tolerates_a_second_stop():
     # must not read as "port in use" when the console restarts.
     with EmbeddedBroker(host="127.0.0.1", port=port):
         Peer(port, "after-restart").connect().close()
+
+
+def test_importing_it_patches_no_library_and_starting_it_does():
+    # In a process of its own: brokers started by other tests have patched this one already.
+    code = (
+        "import amqtt.broker\n"
+        "from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler\n"
+        "from reachconsole.dev import embedded_broker\n"
+        "assert amqtt.broker.BrokerProtocolHandler is BrokerProtocolHandler\n"
+        f"with embedded_broker.EmbeddedBroker(port={free_port()}):\n"
+        "    assert amqtt.broker.BrokerProtocolHandler is embedded_broker.KeepInflightHandler\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

@@ -8,7 +8,7 @@ from django.test import Client
 
 from messages.models import Message, Status
 from messages.outbound import SendRequest, message_send
-from reachconsole.models import AuditEntry
+from reachconsole.core.audit import AuditEntry
 from roster import services
 from tests.conftest import register
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from reachconsole.core.audit import AuditEntry
 from roster import services
 from roster.models import Agent, ClusterNode, RosterEvent
 from tests.conftest import FIN_TOKEN, ROTATED_TOKEN, ApiClient, register
@@ -159,6 +160,10 @@ def test_it_renews_drains_and_deregisters(api):
         "agentId": "fin.tax", "nodeId": "node-a", "deregistered": True}
     assert not Agent.objects.exists()
     assert RosterEvent.objects.filter(kind="DEREGISTERED", actor__startswith="studio:").exists()
+    audited = AuditEntry.objects.order_by("id")
+    assert [(row.action, row.target, row.result, row.detail) for row in audited] == [
+        ("drain", "fin.tax", "ok", ""), ("deregister", "fin.tax", "ok", "from node-a")]
+    assert all(row.actor.startswith("studio:") for row in audited)
     assert api.post("/api/roster/agents/fin.tax/heartbeat").status_code == 404
     assert api.delete("/api/roster/agents/fin.tax").json()["error"] == "agent_not_found"
 

@@ -4,7 +4,9 @@ import pytest
 from django.contrib.auth.models import Permission, User
 from django.test import Client
 
+from reachconsole.core.audit import AuditEntry
 from roster import services
+from roster.errors import AGENT_NOT_FOUND
 from roster.models import Agent, RosterEvent
 from tests.conftest import register
 
@@ -80,6 +82,8 @@ def test_it_drains_with_the_permission(operator):
     agent = Agent.objects.get()
     assert agent.status == Agent.Status.DRAINING
     assert RosterEvent.objects.filter(kind="DRAINED", actor="olga").count() == 1
+    assert list(AuditEntry.objects.values_list("actor", "action", "target", "result")) == [
+        ("olga", "drain", "fin.tax", "ok")]
 
 
 def test_it_refuses_drain_without_the_permission(viewer):
@@ -109,11 +113,17 @@ def test_it_deregisters_from_the_page(operator):
     r = logged_in(operator).post("/agents/fin.tax/deregister", follow=True)
     assert not Agent.objects.exists()
     assert "was deregistered from node node-a" in r.content.decode()
+    assert list(AuditEntry.objects.values_list("actor", "action", "target", "result",
+                                               "detail")) == [
+        ("olga", "deregister", "fin.tax", "ok", "from node-a")]
 
 
 def test_it_shows_an_action_on_a_missing_agent_as_words(operator):
     r = logged_in(operator).post("/agents/fin.nope/drain", follow=True)
     assert "fin.nope is not on the roster" in r.content.decode()
+    assert list(AuditEntry.objects.values_list("actor", "action", "target", "result",
+                                               "detail")) == [
+        ("olga", "drain", "fin.nope", "refused", AGENT_NOT_FOUND.format(agent_id="fin.nope"))]
 
 
 def test_it_renders_untrusted_fields_as_text(viewer):

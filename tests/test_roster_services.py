@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from reachconsole.core.audit import AuditEntry
 from roster import services
 from roster.errors import AgentHeldElsewhere, AgentNotFound, InvalidAgentId, InvalidField, WrongNode
 from roster.models import Agent, ClusterNode, RosterEvent
@@ -121,6 +122,35 @@ def test_it_drains_then_deregisters(now):
     assert services.agent_deregister(agent_id="fin.tax", actor="ops") == "node-a"
     assert not Agent.objects.exists()
     assert RosterEvent.objects.filter(kind="DEREGISTERED", actor="ops").count() == 1
+
+
+def test_it_audits_drain_and_deregister_itself():
+    register("fin.tax", "node-a")
+    services.agent_drain(agent_id="fin/tax", actor="ops")
+    services.agent_drain(agent_id="fin.tax", actor="ops")  # accepted again, changes nothing
+    services.agent_deregister(agent_id="fin.tax", actor="ops")
+    rows = list(AuditEntry.objects.order_by("id").values_list(
+        "actor", "action", "target", "result", "detail"))
+    assert rows == [
+        ("ops", "drain", "fin.tax", "ok", ""),
+        ("ops", "drain", "fin.tax", "ok", ""),
+        ("ops", "deregister", "fin.tax", "ok", "from node-a"),
+    ]
+
+
+@pytest.mark.parametrize("action", ["drain", "deregister"])
+def test_it_commits_no_change_without_its_audit_row(monkeypatch, action):
+    register("fin.tax", "node-a")
+
+    def audit_fails(**kwargs):
+        raise RuntimeError("the audit row cannot be written")
+
+    monkeypatch.setattr(services, "audit_record", audit_fails)
+    service = services.agent_drain if action == "drain" else services.agent_deregister
+    with pytest.raises(RuntimeError):
+        service(agent_id="fin.tax", actor="ops")
+    assert Agent.objects.get().status == Agent.Status.ONLINE
+    assert not RosterEvent.objects.exclude(kind="REGISTERED").exists()
 
 
 def test_it_expires_leases_by_moving_time(now, settings):

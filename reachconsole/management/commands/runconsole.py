@@ -15,7 +15,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
-from reachconsole.tokens import tokens_parse
+from reachconsole.core.tokens import tokens_parse
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Command(BaseCommand):
         base_url = f"http://{options['host']}:{options['port']}"
         simulator = None
         if options["simulate_nodes"] > 0:
-            from messages.simulator import Knobs, SimulatedCluster
+            from reachconsole.dev.simulator import Knobs, SimulatedCluster
 
             simulator = SimulatedCluster(
                 base_url=base_url, token=token, mqtt_url=settings.MQTT_URL,
@@ -107,7 +107,7 @@ class Command(BaseCommand):
         if settings.MQTT_URL:
             self.stdout.write(f"MQTT broker: {settings.MQTT_URL}")
             return None
-        from reachconsole.embedded_broker import BrokerPortInUse, EmbeddedBroker
+        from reachconsole.dev.embedded_broker import BrokerPortInUse, EmbeddedBroker
 
         broker = EmbeddedBroker(host="127.0.0.1", port=settings.REACH_EMBEDDED_MQTT_PORT)
         try:

@@ -1,4 +1,5 @@
-"""In-process MQTT broker (amqtt) for the console's embedded mode.
+"""In-process MQTT broker (amqtt) for the console's embedded mode. Dev-only: production code
+never imports it (pyproject.toml, [tool.importlinter]).
 
 Production talks to Mosquitto; embedded mode runs this broker on loopback so a developer's laptop
 needs no extra service. Everything here is stdlib + amqtt so it can start before Django is set up.
@@ -106,8 +107,11 @@ class KeepInflightHandler(BrokerProtocolHandler):
             self._puback_waiters.pop(app_message.packet_id, None)
 
 
-# amqtt builds its handlers by this module-level name.
-amqtt.broker.BrokerProtocolHandler = KeepInflightHandler  # type: ignore[misc]
+def _patch_amqtt() -> None:
+    """Make amqtt's broker build KeepInflightHandler for its clients (it builds its handlers
+    by this module-level name). Done when a broker starts, not at import: importing this
+    module changes no library."""
+    amqtt.broker.BrokerProtocolHandler = KeepInflightHandler  # type: ignore[misc]
 
 
 def _quiet_amqtt_logging() -> None:
@@ -211,6 +215,7 @@ class EmbeddedBroker:
             if self.running:
                 return
             _quiet_amqtt_logging()
+            _patch_amqtt()
             if _port_is_taken(self.host, self.port):
                 raise BrokerPortInUse(self.host, self.port)
 

@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from reachconsole.models import AuditEntry
+from reachconsole.core.audit import AuditEntry
 
 
 @admin.register(AuditEntry)

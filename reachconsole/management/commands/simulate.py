@@ -8,7 +8,7 @@ import threading
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from messages.simulator import Knobs, SimulatedCluster
+from reachconsole.dev.simulator import Knobs, SimulatedCluster
 
 
 class Command(BaseCommand):

@@ -1,4 +1,8 @@
-"""The audit trail: every operator and service action, whoever did it and how it ended."""
+"""The audit trail: every operator and service action, whoever did it and how it ended.
+
+A service writes its own row with `audit_record` inside the transaction of the change it
+audits, so a change is never committed without its row, nor a row without its change.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,10 @@ class AuditEntry(models.Model):
     detail = models.TextField(blank=True)
 
     class Meta:
+        app_label = "core"
+        # The table it had when the model lived in the `reachconsole` app: moving the model
+        # kept its rows (core/migrations/0001_initial.py).
+        db_table = "reachconsole_auditentry"
         ordering = ["-at", "-id"]
         verbose_name_plural = "audit entries"
         indexes = [models.Index(fields=["action", "at"], name="audit_action_at")]
@@ -26,5 +34,6 @@ class AuditEntry(models.Model):
 
 def audit_record(*, actor: str, action: str, target: str, result: str = "ok",
                  detail: str = "") -> AuditEntry:
+    """One audit row. Call it inside the transaction of the change it records."""
     return AuditEntry.objects.create(actor=actor[:150], action=action[:40], target=target[:300],
                                      result=result[:20], detail=detail)

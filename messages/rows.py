@@ -1,0 +1,177 @@
+"""Every `a2a_message` row is built here, and serialized here: requests of ours, our answers
+(ACK/NACK/TASK_RESPONSE), the console agents' own responses, and received rows; the wire
+envelope of a row, and the one set of fields that the API and the events both show.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+
+from messages import protocol
+from messages.models import Direction, Message, Status
+
+
+def envelope_from_row(message: Message) -> protocol.Envelope:
+    return protocol.Envelope(
+        message_id=message.message_id,
+        message_type=protocol.MessageType(message.message_type),
+        task_id=message.task_id or None,
+        from_agent_id=message.from_agent_id or None,
+        to_agent_id=message.to_agent_id or None,
+        target_node_id=message.target_node_id or None,
+        conversation_id=message.conversation_id or None,
+        scene_group_id=message.scene_group_id or None,
+        session_id=message.session_id or None,
+        timestamp=int(message.created_at.timestamp() * 1000),
+        headers=dict(message.headers or {}),
+        payload=message.payload,
+    )
+
+
+def request_row(*, request: Any, to_agent_id: str, now: datetime) -> Message:
+    """A TASK_REQUEST of ours (a messages.outbound.SendRequest), SENT, not yet routed."""
+    node_id = settings.REACH_NODE_ID
+    message_id = str(uuid.uuid4())
+    task_id = request.task_id or f"task-{message_id}"
+    timeout_ms = request.timeout_ms or 30000
+    headers = {
+        "replyNodeId": node_id,
+        "originNodeId": node_id,
+        "idempotencyKey": request.idempotency_key or task_id,
+        "timeoutMs": timeout_ms,
+        "attempt": request.attempt,
+    }
+    row = Message(
+        message_id=message_id, task_id=task_id, idempotency_key=headers["idempotencyKey"],
+        message_type=protocol.MessageType.TASK_REQUEST, direction=Direction.SEND,
+        status=Status.SENT, from_agent_id=request.from_agent_id or node_id,
+        to_agent_id=to_agent_id, target_node_id=request.target_node_id or "",
+        origin_node_id=node_id, reply_node_id=node_id,
+        conversation_id=request.conversation_id, scene_group_id=request.scene_group_id,
+        session_id=request.session_id, headers=headers, payload=request.payload,
+        attempt=request.attempt, resend_of=request.resend_of, created_at=now, updated_at=now,
+        deadline_at=now + timedelta(milliseconds=timeout_ms),
+    )
+    return row
+
+
+def reply_row(*, to: Any, message_type: str, payload: Any, now: datetime,
+              extra_headers: dict | None = None) -> Message | None:
+    """An ACK/NACK/TASK_RESPONSE answering `to`, addressed to its reply node; None when the
+    sender left no way to answer (no replyNodeId)."""
+    node_id = settings.REACH_NODE_ID
+    reply_node = to.reply_node_id or ""
+    if not reply_node:
+        return None
+    headers = {"originNodeId": node_id, "replyNodeId": node_id, **(extra_headers or {})}
+    return Message(
+        message_id=str(uuid.uuid4()), task_id=to.task_id, idempotency_key="",
+        message_type=message_type, direction=Direction.SEND, status=Status.SENT,
+        from_agent_id=to.to_agent_id or node_id, to_agent_id=to.from_agent_id,
+        target_node_id=reply_node, origin_node_id=node_id, reply_node_id=node_id,
+        conversation_id=to.conversation_id, scene_group_id=to.scene_group_id,
+        session_id=to.session_id,
+        topic=protocol.inbox_topic(settings.MQTT_TOPIC_PREFIX, reply_node),
+        headers=headers, payload=payload,
+        in_reply_to=headers.get("inReplyTo") or headers.get("ackFor") or "",
+        created_at=now, updated_at=now,
+        # Due in the outbox now; an answer the broker has not taken within the idempotency
+        # window is of no use to its receiver any more, and ends FAILED there.
+        publish_at=now, deadline_at=now + timedelta(seconds=settings.REACH_IDEMPOTENCY_TTL_S),
+    )
+
+
+def local_response_row(*, request: Message, result: Any, now: datetime) -> Message:
+    """The TASK_RESPONSE a console agent gives in-process to `request` (stored as received)."""
+    node_id = settings.REACH_NODE_ID
+    return Message(
+        message_id=str(uuid.uuid4()), task_id=request.task_id,
+        idempotency_key=request.idempotency_key,
+        message_type=protocol.MessageType.TASK_RESPONSE, direction=Direction.RECV,
+        status=Status.RECV, from_agent_id=request.to_agent_id,
+        to_agent_id=request.from_agent_id, target_node_id=node_id, origin_node_id=node_id,
+        conversation_id=request.conversation_id, scene_group_id=request.scene_group_id,
+        session_id=request.session_id, headers={"inReplyTo": request.message_id},
+        payload={"ok": True, "result": result}, in_reply_to=request.message_id,
+        created_at=now, updated_at=now, finished_at=now,
+    )
+
+
+@dataclass(slots=True)
+class ReceivedRow:
+    """An inbound message on its way into `a2a_message`: the table's columns as plain
+    attributes. A Django model instance per message was the largest single cost of ingest
+    (docs/performance.md); the insert, the events and the rules only read attributes."""
+
+    message_id: str
+    task_id: str
+    idempotency_key: str
+    message_type: str
+    direction: str
+    status: str
+    from_agent_id: str
+    to_agent_id: str
+    target_node_id: str
+    origin_node_id: str
+    reply_node_id: str
+    conversation_id: str
+    scene_group_id: str
+    session_id: str
+    topic: str
+    headers: dict
+    payload: object
+    attempt: int
+    in_reply_to: str
+    created_at: datetime
+    updated_at: datetime
+    error: str = ""
+    resolution: dict | None = None
+    resend_of_id: int | None = None
+    published_at: datetime | None = None
+    acked_at: datetime | None = None
+    finished_at: datetime | None = None
+    deadline_at: datetime | None = None
+    publish_at: datetime | None = None
+    ack_deadline_at: datetime | None = None
+    next_attempt_at: datetime | None = None
+    held: bool = False
+    pk: int | None = None
+
+
+def received_row(env: protocol.Envelope, *, topic: str, direction: str, now: datetime
+                 ) -> ReceivedRow:
+    """An inbound message as it is stored: RECV on our inbox, OBSERVED elsewhere."""
+    return ReceivedRow(
+        message_id=env.message_id, task_id=(env.task_id or "")[:200],
+        idempotency_key=env.idempotency_key[:200], message_type=env.message_type.value,
+        direction=direction, status=Status.RECV if direction == Direction.RECV else Status.OBSERVED,
+        from_agent_id=(env.from_agent_id or "")[:265], to_agent_id=(env.to_agent_id or "")[:265],
+        target_node_id=(env.target_node_id or "")[:128],
+        origin_node_id=(env.origin_node_id or "")[:128],
+        reply_node_id=(env.reply_node_id or "")[:128],
+        conversation_id=(env.conversation_id or "")[:200],
+        scene_group_id=(env.scene_group_id or "")[:200], session_id=(env.session_id or "")[:200],
+        topic=topic[:300], headers=env.headers, payload=env.payload, attempt=env.attempt,
+        # The message this one answers: a response's inReplyTo, an ACK/NACK/BUSY's ackFor.
+        in_reply_to=(env.in_reply_to or env.ack_for or "")[:200], created_at=now,
+        updated_at=now,
+    )
+
+
+def message_fields(row: Any) -> dict[str, Any]:
+    """What a person or a client is shown of any row: the fields the API's message and the
+    `a2a_message` event share (a model instance or a ReceivedRow)."""
+    return {
+        "messageId": row.message_id, "taskId": row.task_id or None,
+        "messageType": row.message_type, "direction": row.direction, "status": row.status,
+        "error": row.error or None, "attempt": row.attempt,
+        "fromAgentId": row.from_agent_id or None, "toAgentId": row.to_agent_id or None,
+        "targetNodeId": row.target_node_id or None,
+        "conversationId": row.conversation_id or None,
+        "sceneGroupId": row.scene_group_id or None, "sessionId": row.session_id or None,
+    }
