@@ -15,6 +15,7 @@ import collections
 import logging
 import queue
 import random
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -86,6 +87,7 @@ HEARING_EVERY_S = 1.0
 class _Confirmed:
     mid: int
     failure: str  # "" when the broker took it
+    at: datetime  # when the PUBACK arrived: published_at, and the receiver's clock starts
 
 
 def client_id_for(node_id: str, instance: str) -> str:
@@ -241,6 +243,12 @@ class Bridge:
         self.generation += 1
         # Subscribe every time, whatever session_present says: a broker that lost the
         # session (restart without persistence) must not leave the console deaf.
+        try:
+            # paho leaves Nagle's algorithm on: our small PUBACKs and the next publish then
+            # wait ~40 ms for a delayed TCP ACK, on every hop of every slot cycle.
+            client.socket().setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except (AttributeError, OSError) as exc:
+            log.warning("could not set TCP_NODELAY on the MQTT socket: %s", exc)
         client.subscribe(self._subscriptions())
         self.connected.set()
         self._wake_outbox()  # what came due while we were away
@@ -283,7 +291,7 @@ class Bridge:
         # paho calls this holding its outgoing-message lock, which the owner thread needs to
         # publish: never block here. Confirms are few (at most the in-flight window).
         failure = str(reason_code) if getattr(reason_code, "is_failure", False) else ""
-        self._confirms.append(_Confirmed(mid, failure))
+        self._confirms.append(_Confirmed(mid, failure, timezone.now()))
         try:
             self._work.put_nowait(_WAKE)
         except queue.Full:
@@ -309,11 +317,13 @@ class Bridge:
         """One turn of the owner loop; returns whether it found work."""
         items = self._take(wait)
         received = [i for i in items if isinstance(i, _Received)]
+        # PUBACKs first: a receiver's answer cannot precede the broker taking the request,
+        # and the record should not say so.
         confirms = self._drain_confirms()
-        if received:
-            self._ingest(received)
         if confirms:
             self._confirm(confirms)
+        if received:
+            self._ingest(received)
         now = time.monotonic()
         found = bool(items)
         if self.connected.is_set() and (self._outbox_due.is_set() or now >= self._next_poll):
@@ -494,9 +504,9 @@ class Bridge:
             else:
                 # The receiver's time to acknowledge runs from when the broker took it. An
                 # answer of ours is done once the broker has it: it leaves the deadlines.
-                fields = ({"published_at": now, "publish_at": None,
-                           "ack_deadline_at": ack_deadline(now)} if request else
-                          {"published_at": now, "publish_at": None, "deadline_at": None})
+                fields = ({"published_at": item.at, "publish_at": None,
+                           "ack_deadline_at": ack_deadline(item.at)} if request else
+                          {"published_at": item.at, "publish_at": None, "deadline_at": None})
                 changes.append(Change(pk=pk, to=Status.PUBLISHED,
                                       allowed=frozenset({Status.SENT}), actor="bridge",
                                       reason="PUBACK", fields=fields))

@@ -8,9 +8,12 @@ several bridges share the work. A bridge that dies after its claim leaves the ro
 due again when the claim runs out (`REACH_OUTBOX_CLAIM_S`): a duplicate on the bus at worst,
 which receivers absorb by idempotency key, never a lost message.
 
-Waking: on PostgreSQL a `NOTIFY` issued inside the transaction is delivered only if it
-commits, to every bridge `LISTEN`ing on any connection; bridges in this process are also
-woken after commit. A slow poll (`REACH_OUTBOX_POLL_S`) covers everything else.
+Waking: with Redis (production), a message on a Redis channel right after the commit; on
+PostgreSQL without Redis, a `NOTIFY` inside the transaction (delivered only if it commits).
+Redis comes first because PostgreSQL serializes the commits of every transaction that
+notified (a database-wide lock at commit), and senders hold their agent's load row until
+their commit. Bridges in this process are also woken after commit. A slow poll
+(`REACH_OUTBOX_POLL_S`) covers everything else: a lost wake-up only costs latency.
 """
 
 from __future__ import annotations
@@ -29,17 +32,38 @@ from messages.models import Message, Status
 log = logging.getLogger(__name__)
 
 CHANNEL = "reach_outbox"
+_redis_client = None
 _subscribers: list[Callable[[], None]] = []
 _subscribers_lock = threading.Lock()
 
 
 def outbox_wake() -> None:
     """Rows became due in the current transaction: wake the bridges once it commits."""
-    if connection.vendor == "postgresql":
+    if settings.REDIS_URL:
+        transaction.on_commit(_wake_redis)
+    elif connection.vendor == "postgresql":
         with connection.cursor() as cursor:
             # Transactional: sent at commit, dropped on rollback, collapsed per transaction.
             cursor.execute(f"NOTIFY {CHANNEL}")
     transaction.on_commit(_wake_local)
+
+
+def _redis_channel() -> str:
+    # One channel per console database: consoles sharing a Redis server wake only their own.
+    return f"{CHANNEL}:{settings.DATABASES['default']['NAME']}"
+
+
+def _wake_redis() -> None:
+    global _redis_client
+    import redis
+
+    try:
+        if _redis_client is None:
+            _redis_client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=1.0,
+                                                 socket_connect_timeout=1.0)
+        _redis_client.publish(_redis_channel(), b"1")
+    except redis.RedisError:
+        pass  # Redis is down: the bridges' poll finds the rows
 
 
 def _wake_local() -> None:
@@ -91,9 +115,9 @@ def outbox_defer(*, pks: list[int], until: datetime) -> None:
 
 
 class OutboxListener:
-    """PostgreSQL `LISTEN` on its own autocommit connection, in its own thread: calls `wake`
-    on every notification. Reconnects after a database outage; the bridge's slow poll covers
-    the gap."""
+    """Listens for outbox_wake() in its own thread (Redis pub/sub, or PostgreSQL `LISTEN` on
+    its own autocommit connection) and calls `wake` on every signal. Reconnects after an
+    outage; the bridge's slow poll covers the gap."""
 
     def __init__(self, wake: Callable[[], None], *, alias: str = "default"):
         self.wake = wake
@@ -102,10 +126,36 @@ class OutboxListener:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        if connections[self.alias].vendor != "postgresql":
-            return
-        self._thread = threading.Thread(target=self._run, name="outbox-listen", daemon=True)
+        if settings.REDIS_URL:
+            target = self._run_redis
+        elif connections[self.alias].vendor == "postgresql":
+            target = self._run
+        else:
+            return  # one process (SQLite): the in-process wake-up is all there is
+        self._thread = threading.Thread(target=target, name="outbox-listen", daemon=True)
         self._thread.start()
+
+    def _run_redis(self) -> None:
+        import redis
+
+        delay = 0.5
+        while not self._stop.is_set():
+            try:
+                client = redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=2.0,
+                                              health_check_interval=10)
+                pubsub = client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(_redis_channel())
+                delay = 0.5
+                self.wake()  # whatever came due while we were not listening
+                while not self._stop.is_set():
+                    if pubsub.get_message(timeout=1.0) is not None:
+                        self.wake()
+            except Exception as exc:  # Redis is down: retry, the poll still runs
+                if self._stop.is_set():
+                    return
+                log.warning("outbox wake-up channel lost (%s); retrying in %.1f s", exc, delay)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 10.0)
 
     def stop(self) -> None:
         self._stop.set()
