@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(resolve_env)
     codes = [bench("resolve.py"), bench("layers.py"),
              bench("ingest.py", *(["--strict"] if args.strict else []))]
+    codes.append(bench("backpressure.py", *(["--strict"] if args.strict else [])))
     if any(code == 1 or code < 0 for code in codes):
         print("\nBENCH FAILED: a bench did not run to the end (see above)", file=sys.stderr)
         return 1
