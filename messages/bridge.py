@@ -320,10 +320,14 @@ class Bridge:
         # PUBACKs first: a receiver's answer cannot precede the broker taking the request,
         # and the record should not say so.
         confirms = self._drain_confirms()
-        if confirms:
-            self._confirm(confirms)
-        if received:
-            self._ingest(received)
+        try:
+            if confirms:
+                self._confirm(confirms)
+        finally:
+            # Whatever happened to the confirms, what was received is stored (and only then
+            # acknowledged): dropped here, it would not be redelivered on a live connection.
+            if received:
+                self._ingest(received)
         now = time.monotonic()
         found = bool(items)
         if self.connected.is_set() and (self._outbox_due.is_set() or now >= self._next_poll):
@@ -510,28 +514,37 @@ class Bridge:
                 changes.append(Change(pk=pk, to=Status.PUBLISHED,
                                       allowed=frozenset({Status.SENT}), actor="bridge",
                                       reason="PUBACK", fields=fields))
-        self._apply(changes, now=now)
+        skipped = self._apply(changes, now=now)
         # An ACK may have overtaken the PUBACK: keep the time the broker took it anyway.
         taken = [c.pk for c in changes if c.to == Status.PUBLISHED]
-        if taken:
-            Message.objects.filter(pk__in=taken, published_at__isnull=True).update(published_at=now)
+        if taken and skipped:
+            try:
+                Message.objects.filter(pk__in=taken, published_at__isnull=True).update(
+                    published_at=now)
+            except DatabaseError as exc:
+                log.warning("could not record when the broker took %d messages: %s",
+                            len(taken), exc)
 
-    def _apply(self, changes: list[Change], now: datetime | None = None) -> None:
+    def _apply(self, changes: list[Change], now: datetime | None = None) -> int:
+        """Apply status changes, retrying through a database outage; returns how many were
+        skipped (their rows had moved on)."""
         if not changes:
-            return
+            return 0
         now = now or timezone.now()
-        close_old_connections()
         for delay in (*RETRY_BACKOFF_S, None):
             try:
+                close_old_connections()
                 with transaction.atomic():
                     applied = changes_apply(changes, now=now)
                     events_on_commit(applied.events)
-                return
+                return applied.skipped
             except DatabaseError as exc:
                 if delay is None or self._stop.is_set():
+                    # Rows stay SENT: their claim runs out and they are published again.
                     log.error("could not record %d status changes: %s", len(changes), exc)
-                    return
+                    return 0
                 time.sleep(delay)
+        return 0
 
     def _register_local_agents(self) -> None:
         if not self.node_id:

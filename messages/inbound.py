@@ -32,7 +32,7 @@ from messages.load import held_release
 from messages.models import Direction, Message, Status
 from messages.outbound import message_reroute
 from messages.rows import ReceivedRow, received_row, reply_row
-from messages.state import Change, changes_apply, messages_insert_new
+from messages.state import Change, atomic_retrying, changes_apply, messages_insert_new
 from roster.services import heartbeat_record
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class IngestResult:
     stored: int = 0
     to_publish: list[int] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
+    busy: list[int] = field(default_factory=list)  # capability sends answered BUSY
 
 
 def _is_self(env: protocol.Envelope, node_id: str) -> bool:
@@ -113,7 +114,23 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
     except BaseException:
         idempotency_release(node_id=node_id, claims=claims)
         raise
+    for pk in result.busy:
+        # Each in a transaction of its own, after the batch's: a new attempt takes its
+        # task's lock first (messages/load.py, the lock order), which a transaction already
+        # holding message and load rows must not wait for.
+        atomic_retrying(lambda pk=pk: _reroute(pk, now=now, result=result))
     return result
+
+
+def _reroute(pk: int, *, now: datetime, result: IngestResult) -> None:
+    busy = Message.objects.filter(pk=pk, status=Status.BUSY).first()
+    if busy is None:
+        return
+    rerouted, publish, events = message_reroute(busy=busy, now=now)
+    if rerouted is not None:
+        result.counts["rerouted_after_busy"] += 1
+        result.to_publish += publish
+        events_on_commit(events)
 
 
 def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result: IngestResult,
@@ -144,13 +161,8 @@ def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result
         applied = changes_apply(changes, now=now)
         events += applied.events
         counts["stale_answers"] += applied.skipped
-        for busy in applied.messages:
-            if busy.status == Status.BUSY and busy.direction == Direction.SEND:
-                rerouted, publish, more = message_reroute(busy=busy, now=now)
-                if rerouted is not None:
-                    counts["rerouted_after_busy"] += 1
-                    events += more
-                    result.to_publish += publish
+        result.busy += [m.pk for m in applied.messages
+                        if m.status == Status.BUSY and m.direction == Direction.SEND]
         if applied.freed:
             publish, undeliverable = held_release(agent_ids=applied.freed, now=now)
             result.to_publish += publish

@@ -7,9 +7,13 @@ them in this order, so two of them can wait for each other but never in a circle
   1. a per-task advisory lock (PostgreSQL; sends only: the retry-storm guard counts a
      task's transmissions under it);
   2. `a2a_message` rows (FOR UPDATE; rows a transaction inserts are its own);
-  3. `a2a_agent_load` rows, in agent id order, all of a transaction's at once.
+  3. `a2a_agent_load` rows, in agent id order (a transaction that takes them in two steps
+     takes the same agents again: the bridge's batch moves counts, then releases held work
+     for the agents it freed).
   Held message rows taken while a load row is held are claimed SKIP LOCKED, so that step
-  never waits for (2). The roster's own locks (a cluster node, then agents in agent id
+  never waits for (2). Work that needs a task's lock after (2) or (3) gets a transaction of
+  its own: a reroute after BUSY runs after the batch commits, a due retry takes its task's
+  lock before its row. The roster's own locks (a cluster node, then agents in agent id
   order: roster/services.py) are taken in the roster's own transactions, never together
   with these.
 """
@@ -191,8 +195,9 @@ def held_release(*, agent_ids: Iterable[str], now: datetime) -> tuple[list[int],
 
 
 def loads_to_release() -> list[str]:
-    """Agents with held work (the sweep looks whether they have room)."""
-    return list(AgentLoad.objects.filter(held__gt=0).order_by("agent_id")
+    """Agents with held work, the least busy first (most likely to have room), so that past
+    the batch's size no agent waits behind the same others on every sweep."""
+    return list(AgentLoad.objects.filter(held__gt=0).order_by("inflight", "agent_id")
                 .values_list("agent_id", flat=True)[:500])
 
 

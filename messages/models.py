@@ -37,7 +37,8 @@ FAILURE_STATUSES = frozenset(
 # A send is still "in flight" while the receiver has not answered it.
 INFLIGHT_STATUSES = frozenset({Status.SENT, Status.PUBLISHED})
 # A task request in one of these has not ended yet: its task deadline (`deadline_at`) ends
-# it at the latest (messages/sweeps.py). Answers the console sends end at PUBLISHED.
+# it at the latest (messages/sweeps.py). An answer of ours is done once the broker has it
+# (PUBLISHED, or ACKED by its receiver before our PUBACK was recorded).
 OPEN_STATUSES = frozenset({Status.SENT, Status.PUBLISHED, Status.ACKED, Status.RETRYING})
 # What an operator may send again.
 RESENDABLE_STATUSES = frozenset(

@@ -100,8 +100,8 @@ def outbox_claim(*, limit: int, now: datetime | None = None) -> list[Message]:
             .order_by("publish_at", "id")[:limit]
         )
         if rows:
-            claimed = Message.objects.filter(pk__in=[r.pk for r in rows],
-                                             status=Status.SENT).update(publish_at=until)
+            claimed = Message.objects.filter(pk__in=[r.pk for r in rows], status=Status.SENT,
+                                             publish_at__lte=now).update(publish_at=until)
             if claimed != len(rows):  # pragma: no cover - only if a row lock was not honoured
                 log.warning("outbox claim changed %d of %d locked rows", claimed, len(rows))
     return rows

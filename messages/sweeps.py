@@ -4,8 +4,7 @@ and no open row outlives its task's deadline.
 
 Every claim is `select_for_update(skip_locked=True)` plus a status-guarded change, so two
 sweepers running at once never send the same attempt; a sweeper killed mid-claim rolls back
-and the rows wait for the next sweep. Lock order: message rows, then agents
-(messages/delivery.py has the whole order).
+and the rows wait for the next sweep. Lock order: messages/load.py has it.
 
 The console does not blame an agent for its own deafness: while no bridge hears the bus, and
 for one ack timeout after one hears again (the broker is still delivering what queued up),
@@ -23,7 +22,7 @@ from django.utils import timezone
 
 from messages.delivery import retry_or_give_up
 from messages.events import events_on_commit
-from messages.load import held_release, loads_to_release
+from messages.load import held_release, loads_to_release, task_locks
 from messages.models import OPEN_STATUSES, Direction, Message, Status, Transition
 from messages.outbound import RETRY_STORM, message_next_attempt
 from messages.outbox import outbox_wake
@@ -95,6 +94,8 @@ def _due_attempts(now: datetime) -> SweepResult:
 
 
 def _due(now: datetime, result: SweepResult, *, pk: int) -> list[dict]:
+    # The task's lock before its row: the order sends take (messages/load.py).
+    task_locks(Message.objects.filter(pk=pk).values_list("task_id", flat=True))
     rows = list(Message.objects.select_for_update(skip_locked=True)
                 .filter(pk=pk, status=Status.RETRYING, next_attempt_at__lte=now))
     events: list[dict] = []
@@ -145,19 +146,26 @@ def _deadline_words(row: Message) -> tuple[str, str]:
 
 
 def _past_deadline(now: datetime, result: SweepResult) -> list[dict]:
-    """No open row outlives its deadline: each open status ends here at the latest. Rows
-    that wait on a receiver (PUBLISHED, ACKED) are judged only while the console hears."""
-    waiting_on_others = [Status.PUBLISHED, Status.ACKED]
-    statuses = [s for s in OPEN_STATUSES
-                if s not in waiting_on_others or _hearing_long_enough(now)]
+    """No open row outlives its deadline: each open status of a task request ends here at
+    the latest, and an answer of ours that the broker never took. When the console could
+    not hear the bus, the words say so: the silence may be its own, and a late response
+    still completes the row."""
+    # An answer of ours is done once it left SENT (the receiver may ACK it before our
+    # PUBACK is recorded): it only leaves the deadline index.
+    Message.objects.filter(deadline_at__lt=now, status__in=list(OPEN_STATUSES - {Status.SENT})
+                           ).exclude(message_type="TASK_REQUEST").update(deadline_at=None)
     rows = list(
         Message.objects.select_for_update(skip_locked=True)
-        .filter(status__in=statuses, deadline_at__lt=now)
+        .filter(status__in=list(OPEN_STATUSES), deadline_at__lt=now)
         .order_by("deadline_at")[:SWEEP_BATCH]
     )
+    deaf = not _hearing_long_enough(now)
     changes = []
     for row in rows:
         status, words = _deadline_words(row)
+        if deaf and row.status in (Status.PUBLISHED, Status.ACKED):
+            words += ("; the console could not hear the bus meanwhile, so the answer may "
+                      "only be late (a late response still completes it)")
         changes.append(Change(pk=row.pk, to=status, allowed=frozenset({row.status}),
                               actor="sweeper", reason=words,
                               fields={"error": words, "finished_at": now, "held": False,

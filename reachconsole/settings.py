@@ -237,6 +237,10 @@ if REACH_HEARTBEAT_MS >= REACH_LEASE_TTL_MS:
         f"({REACH_LEASE_TTL_MS}), or every lease lapses between two heartbeats"
     )
 REACH_LEASE_SWEEP_S = env_float("REACH_LEASE_SWEEP_S", 1.0, minimum=0.1)
+# Leases, staleness and silence are judged only over time a bridge heard the bus (the
+# console's own outage is not the agents' fault). A console that runs no bridge at all
+# (REACH_BRIDGE=0 everywhere, heartbeats over HTTP only) sets this to judge by the clock.
+REACH_JUDGE_BY_CLOCK = env_bool("REACH_JUDGE_BY_CLOCK", False)
 REACH_PID_LOOKUP_URL = env_str("REACH_PID_LOOKUP_URL") or None
 REACH_MAX_METADATA_BYTES = env_int("REACH_MAX_METADATA_BYTES", 16 * 1024, minimum=256)
 

@@ -8,8 +8,9 @@ database, Redis or worker outage counts as "not heard" even when the MQTT connec
 from __future__ import annotations
 
 import time
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Case, F, Min, Value, When
 from django.utils import timezone
@@ -19,14 +20,18 @@ from roster.models import BusHearing
 # A bridge silent for longer than this is not hearing (it reports every second).
 HEARING_GAP_S = 3.0
 # The directory asks once per candidate; one answer serves a whole resolve (same `now`).
+# One tuple, replaced whole: readers in other threads never see half of it.
 _MEMO_S = 0.25
-_memo: dict[str, object] = {}
+_memo: tuple | None = None
+# For a console that runs no bridge at all (REACH_JUDGE_BY_CLOCK): heard "forever".
+_ALWAYS = datetime(2000, 1, 1, tzinfo=UTC)
 
 
 def hearing_record(*, instance: str, now: datetime | None = None) -> None:
     """This bridge heard the bus just now (connected, and its writes commit)."""
+    global _memo
     now = now or timezone.now()
-    _memo.clear()
+    _memo = None
     gap = now - timedelta(seconds=HEARING_GAP_S)
     # One statement: a report after a gap (or after hearing_lost) opens a new period.
     updated = BusHearing.objects.filter(instance=instance).update(
@@ -45,20 +50,25 @@ def hearing_record(*, instance: str, now: datetime | None = None) -> None:
 
 def hearing_lost(*, instance: str) -> None:
     """This bridge stopped hearing (disconnected or stopping)."""
-    _memo.clear()
+    global _memo
+    _memo = None
     BusHearing.objects.filter(instance=instance).update(hearing_since=None)
 
 
 def bus_heard_since(*, now: datetime | None = None) -> datetime | None:
     """Since when the console has heard the bus without a gap, or None when no bridge hears
     it now. With several bridges, the longest unbroken period counts."""
+    global _memo
+    if settings.REACH_JUDGE_BY_CLOCK:
+        return _ALWAYS
     now = now or timezone.now()
-    if _memo.get("now") == now and time.monotonic() - _memo["at"] < _MEMO_S:
-        return _memo["since"]
+    memo = _memo
+    if memo is not None and memo[0] == now and time.monotonic() - memo[1] < _MEMO_S:
+        return memo[2]
     gap = now - timedelta(seconds=HEARING_GAP_S)
     since = (BusHearing.objects.filter(hearing_since__isnull=False, heard_at__gte=gap)
              .aggregate(since=Min("hearing_since"))["since"])
-    _memo.update(now=now, at=time.monotonic(), since=since)
+    _memo = (now, time.monotonic(), since)
     return since
 
 

@@ -83,3 +83,21 @@ def test_readiness_says_when_no_bridge_hears_the_bus(client):
     assert answer.status_code == 200
     assert answer.json()["checks"]["broker"]["detail"] == (
         "1 bridge(s) hear the bus: reach-console-1")
+
+
+def test_a_deadline_that_passes_while_deaf_ends_the_row_without_blaming_the_agent(now):
+    register("fin.tax", "node-b", now=now)
+    row = message_send(request=SendRequest(to="fin.tax", timeout_ms=5000), now=now)
+    Message.objects.filter(pk=row.pk).update(status=Status.ACKED, publish_at=None)
+    deliveries_sweep(now=later(now, 6000))  # no bridge hears
+    row.refresh_from_db()
+    assert row.status == Status.EXPIRED
+    assert row.error == ("acknowledged, no response within 5000 ms; the console could not "
+                         "hear the bus meanwhile, so the answer may only be late (a late "
+                         "response still completes it)")
+
+
+def test_a_console_without_a_bridge_can_judge_by_the_clock(now, settings):
+    settings.REACH_JUDGE_BY_CLOCK = True
+    register("fin.tax", "node-b", now=now)
+    assert services.leases_expire(now=later(now, TTL + 1)) == services.ExpiryCounts(1, 0)

@@ -133,3 +133,39 @@ def test_a_row_due_later_is_not_claimed_before(now):
     row = message_send(request=SendRequest(to="fin.tax"), now=now)
     assert [r.pk for r in outbox_claim(limit=5, now=now - timedelta(seconds=1))] == []
     assert [r.pk for r in outbox_claim(limit=5, now=timezone.now())] == [row.pk]
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("console_hears")
+def test_an_answer_acked_before_its_puback_never_jams_the_deadline_sweep(now, settings):
+    """A receiver may ACK our TASK_RESPONSE before our PUBACK is recorded (SENT → ACKED).
+    When its deadline passes it leaves the deadline index quietly, and the sweep still ends
+    every task request due with it."""
+    from messages.inbound import Incoming, messages_ingest
+
+    env = protocol.new_envelope(message_type=protocol.MessageType.TASK_REQUEST,
+                                from_agent_id="fin.tax", to_agent_id="ops.probe",
+                                headers={"replyNodeId": "node-b"})
+    result = messages_ingest(batch=[Incoming(protocol.inbox_topic("ooder", "console"),
+                                             protocol.encode(env))],
+                             node_id="console", prefix="ooder", now=now)
+    result_ids = result.to_publish
+    response = Message.objects.get(pk__in=result_ids, message_type="TASK_RESPONSE")
+    ack = protocol.new_envelope(message_type=protocol.MessageType.ACK, from_agent_id="fin.tax",
+                                headers={"ackFor": response.message_id,
+                                         "originNodeId": "node-b"})
+    messages_ingest(batch=[Incoming(protocol.inbox_topic("ooder", "console"),
+                                    protocol.encode(ack))], node_id="console", prefix="ooder")
+    response.refresh_from_db()
+    assert response.status == Status.ACKED and response.deadline_at is not None
+    register("fin.tax", "node-b", now=now)
+    task = message_send(request=SendRequest(to="fin.tax", timeout_ms=1000), now=now)
+    after = now + timedelta(seconds=settings.REACH_IDEMPOTENCY_TTL_S + 1)
+    result = deliveries_sweep(now=after)
+    task.refresh_from_db()
+    response.refresh_from_db()
+    assert task.status == Status.FAILED
+    assert (response.status, response.deadline_at) == (Status.ACKED, None)
+    # Our ACK of that request was never published either: it ends with the task.
+    our_ack = Message.objects.get(pk__in=result_ids, message_type="ACK")
+    assert our_ack.status == Status.FAILED and result.ended == 2
