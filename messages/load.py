@@ -32,6 +32,7 @@ from django.db.models import Count, F, Q
 from django.db.models.functions import Greatest
 
 from messages.models import INFLIGHT_STATUSES, AgentLoad, Direction, Message, Status
+from messages.protocol import inbox_topic
 from roster.models import Agent
 
 log = logging.getLogger(__name__)
@@ -182,11 +183,25 @@ def held_release(*, agent_ids: Iterable[str], now: datetime) -> tuple[list[int],
         free = capacity.max_inflight - capacity.inflight
         if free <= 0:
             continue
-        pks = list(held.values_list("pk", flat=True)[:free])
+        node = resolution.node_id
+        pks, swapped = [], []
+        for pk, target, level in held.values_list("pk", "target_node_id",
+                                                  "resolution__level")[:free]:
+            # An explicit node is never swapped for another (PROTOCOL.md): if the agent left
+            # it while the work was held, the work ends instead of following the agent.
+            (swapped if level == "explicit" and target != node else pks).append(pk)
+        for pk in swapped:
+            reason = (f"held for {agent_id}, which has moved to {node}; the explicit node "
+                      "named at send time is never swapped for another")
+            changes.append(Change(pk=pk, to=Status.UNDELIVERABLE, allowed=frozenset({Status.SENT}),
+                                  actor="sweeper", reason=reason,
+                                  fields={"error": reason, "finished_at": now, "held": False}))
         if not pks:
             continue
+        # To the node the agent lives on now, which may not be the one it had when held.
         released = Message.objects.filter(pk__in=pks, held=True, status=Status.SENT).update(
-            held=False, publish_at=now, updated_at=now)
+            held=False, publish_at=now, updated_at=now, target_node_id=node,
+            topic=inbox_topic(settings.MQTT_TOPIC_PREFIX, node))
         capacity.held -= released
         capacity.inflight += released
         publish += pks

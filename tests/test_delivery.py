@@ -344,3 +344,23 @@ def test_the_storm_guard_holds_against_concurrent_sends(now):
     outcomes = run_at_once(send_one, threads=8)
     assert sorted(outcomes).count("retry_storm") == 3
     assert Message.objects.filter(task_id="race-1").count() == 5
+
+
+def test_held_work_follows_its_agent_to_its_new_node_but_never_swaps_an_explicit_one(now):
+    register("fin.tax", "node-b", max_inflight=1, now=now)
+    first = message_send(request=SendRequest(to="fin.tax", timeout_ms=600_000), now=now)
+    held = message_send(request=SendRequest(to="fin.tax", timeout_ms=600_000), now=now)
+    explicit = message_send(request=SendRequest(to="fin.tax", target_node_id="node-b",
+                                                timeout_ms=600_000), now=now)
+    assert (held.held, explicit.held) == (True, True)
+    # The agent moves to node-c while its work is held.
+    services.agent_deregister(agent_id="fin.tax", actor="test")
+    register("fin.tax", "node-c", max_inflight=2, now=now)
+    publish(first, now)
+    answer(MT.ACK, first.message_id)
+    held.refresh_from_db()
+    explicit.refresh_from_db()
+    assert (held.held, held.target_node_id) == (False, "node-c")
+    assert held.topic == protocol.inbox_topic(settings.MQTT_TOPIC_PREFIX, "node-c")
+    assert explicit.status == Status.UNDELIVERABLE
+    assert "the explicit node named at send time is never swapped" in explicit.error
