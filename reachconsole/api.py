@@ -2,23 +2,71 @@
 and one error shape.
 
 Every error is `{"error": "<code>", "detail": "<words a person can act on>"}` with a 4xx
-status; bad input never becomes a 500.
+status (503 while a dependency is down); bad input never becomes a 500.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, HttpError, ValidationError
+from ninja.parser import Parser
 
 from reachconsole.core.auth import ServiceAuth
-from reachconsole.core.errors import ConsoleError
+from reachconsole.core.errors import ApiError, ConsoleError
 from reachconsole.unavailable import UNAVAILABLE_ERRORS, unavailable_response
 
 log = logging.getLogger(__name__)
+
+BODY_TOO_LARGE = ("the request body is over the console's limit of {limit:,} bytes "
+                  "(DATA_UPLOAD_MAX_MEMORY_SIZE); send less: a message payload may be at most "
+                  "{payload:,} bytes (REACH_MAX_MESSAGE_BYTES)")
+NUL_CHARACTER = ("{where} contains a NUL character (\\u0000), which the console neither "
+                 "stores nor sends on; remove it")
+
+
+def _nul_at(value: Any, path: str) -> str | None:
+    """Where in a parsed JSON value a NUL character is (a key or a string), if anywhere."""
+    if isinstance(value, str):
+        return path if "\x00" in value else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if "\x00" in key:
+                return f"{path}: a key"
+            found = _nul_at(item, f"{path}.{key}")
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _nul_at(item, f"{path}[{index}]")
+            if found:
+                return found
+    return None
+
+
+class StrictParser(Parser):
+    """JSON bodies and query strings with a NUL character are refused with a 422: PostgreSQL
+    cannot store one in text, and a half-handled request must not become a 500."""
+
+    def parse_body(self, request: HttpRequest) -> dict:
+        data = super().parse_body(request)
+        where = _nul_at(data, "body")
+        if where:
+            raise ApiError(422, "nul_character", NUL_CHARACTER.format(where=where))
+        return data
+
+    def parse_querydict(self, data, list_fields, request: HttpRequest) -> dict:
+        for key, values in data.lists():
+            if "\x00" in key or any("\x00" in value for value in values):
+                raise ApiError(422, "nul_character",
+                               NUL_CHARACTER.format(where=f"the query parameter {key[:50]!r}"))
+        return super().parse_querydict(data, list_fields, request)
 
 
 api = NinjaAPI(
@@ -27,6 +75,7 @@ api = NinjaAPI(
     description="Lifecycle API of the A2A console (see PROTOCOL.md, Northbound HTTP)",
     auth=ServiceAuth(),
     urls_namespace="api",
+    parser=StrictParser(),
 )
 
 
@@ -38,6 +87,12 @@ def error_response(request: HttpRequest, status: int, code: str, detail: str) ->
 def _console_error(request: HttpRequest, exc: ConsoleError) -> HttpResponse:
     # Every refusal of every app (the API's own, the roster's, a send's) has one base.
     return error_response(request, exc.status, exc.code, exc.detail)
+
+
+@api.exception_handler(RequestDataTooBig)
+def _too_big(request: HttpRequest, exc: RequestDataTooBig) -> HttpResponse:
+    return error_response(request, 413, "body_too_large", BODY_TOO_LARGE.format(
+        limit=settings.DATA_UPLOAD_MAX_MEMORY_SIZE, payload=settings.REACH_MAX_MESSAGE_BYTES))
 
 
 @api.exception_handler(AuthenticationError)
@@ -65,6 +120,9 @@ def _validation_error(request: HttpRequest, exc: ValidationError) -> HttpRespons
 
 @api.exception_handler(HttpError)
 def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
+    # Ninja turns any error of the body parser into a 400; one of ours keeps its words.
+    if isinstance(exc.__cause__, ConsoleError):
+        return _console_error(request, exc.__cause__)
     if exc.status_code == 400:
         return error_response(
             request, 400, "bad_json", "the request body is not valid JSON (send a JSON object "

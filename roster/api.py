@@ -160,7 +160,7 @@ def agents_list(
     status: Literal["", "ONLINE", "DRAINING", "OFFLINE", "STALE"] = "",
     stale: bool | None = None,
     limit: int = Query(1000, ge=1, le=10000),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=100_000_000),
 ):
     qs = agents_filter(
         AgentFilter(namespace=namespace, node_id=node_id, capability=capability, status=status,

@@ -1,0 +1,73 @@
+"""Bad input to the API is a 4xx with words a person can act on, never a 500, and writes
+nothing (issue: hostile input). Each case was a 500 before."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.conf import settings
+
+from messages.models import Message
+from reachconsole.api import BODY_TOO_LARGE, NUL_CHARACTER
+from roster.models import Agent
+from tests.conftest import register
+
+pytestmark = pytest.mark.django_db
+TWO_MB = 2 * 1024 * 1024
+
+
+def _too_large() -> str:
+    return BODY_TOO_LARGE.format(limit=settings.DATA_UPLOAD_MAX_MEMORY_SIZE,
+                                 payload=settings.REACH_MAX_MESSAGE_BYTES)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/api/a2a/send", {"to": "fin.tax", "payload": {"text": "x" * TWO_MB}}),
+    ("/api/roster/agents", {"agentId": "fin.tax", "nodeId": "node-b",
+                            "metadata": {"notes": "y" * TWO_MB}}),
+])
+def test_a_body_over_the_limit_is_413_with_the_limit_named(api, path, body):
+    answer = api.post(path, raw=json.dumps(body))
+    assert answer.status_code == 413
+    assert answer.json() == {"error": "body_too_large", "detail": _too_large()}
+    assert not Message.objects.exists() and not Agent.objects.exists()
+
+
+def test_a_nul_anywhere_in_a_body_is_422_and_nothing_is_written(api):
+    register("fin.tax", "node-b")
+    answer = api.post("/api/a2a/send", {"to": "fin.tax",
+                                        "payload": {"rows": ["ok", {"note": "a\u0000b"}]}})
+    assert answer.status_code == 422
+    assert answer.json() == {"error": "nul_character", "detail": NUL_CHARACTER.format(
+        where="body.payload.rows[1].note")}
+    assert not Message.objects.exists()
+
+
+def test_a_nul_in_a_key_is_422(api):
+    answer = api.post("/api/roster/agents", {"agentId": "fin.tax", "nodeId": "node-b",
+                                             "metadata": {"a\u0000": 1}})
+    assert answer.status_code == 422
+    assert answer.json()["detail"] == NUL_CHARACTER.format(where="body.metadata: a key")
+    assert not Agent.objects.exists()
+
+
+@pytest.mark.parametrize("path, params", [
+    ("/api/directory/resolve", {"mention": "a\x00b"}),
+    ("/api/roster/agents", {"namespace": "fin\x00"}),
+])
+def test_a_nul_in_a_query_string_is_422(api, path, params):
+    answer = api.get(path, params)
+    assert answer.status_code == 422
+    name = next(iter(params))
+    assert answer.json() == {"error": "nul_character", "detail": NUL_CHARACTER.format(
+        where=f"the query parameter {name!r}")}
+
+
+@pytest.mark.parametrize("params", [{"offset": "9223372036854775808"}, {"offset": "-1"},
+                                    {"limit": "0"}, {"limit": "10001"}])
+def test_paging_numbers_are_bounded(api, params):
+    answer = api.get("/api/roster/agents", params)
+    assert answer.status_code == 422
+    assert answer.json()["error"] == "invalid_request"
+    assert next(iter(params)) in answer.json()["detail"]
