@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -52,6 +53,10 @@ class Reject(enum.StrEnum):
     MISSING_MESSAGE_TYPE = "missing_message_type"
     UNKNOWN_MESSAGE_TYPE = "unknown_message_type"
     BAD_FIELD = "bad_field"
+    NUL_CHARACTER = "nul_character"
+    LONE_SURROGATE = "lone_surrogate"
+    NUMBER_OUT_OF_RANGE = "number_out_of_range"
+    BAD_NODE_ID = "bad_node_id"
 
 
 class PayloadTooLarge(ValueError):
@@ -315,6 +320,21 @@ def _decode(data: Any, max_bytes: int) -> Envelope | Rejection:
     elif not isinstance(headers, dict):
         return _bad_field(message_id, "headers", headers, "an object or null")
 
+    # Node ids become MQTT topic levels (replies go to `P/node/{replyNodeId}/inbox`): one with
+    # a wildcard or a '/' would answer to a wildcard or another topic.
+    for wire, value in (("targetNodeId", fields["target_node_id"]),
+                        ("headers.replyNodeId", headers.get("replyNodeId")),
+                        ("headers.originNodeId", headers.get("originNodeId"))):
+        if value:  # empty or absent: none given
+            try:
+                validate_node_id(value)
+            except ValueError as exc:
+                return Rejection(Reject.BAD_NODE_ID, f"message {message_id!r}: {wire}: {exc}")
+
+    unstorable = _unstorable(text, doc)
+    if unstorable is not None:
+        return Rejection(unstorable[0], f"message {message_id!r}: {unstorable[1]}")
+
     return Envelope(
         message_id=message_id,
         message_type=message_type,
@@ -324,6 +344,53 @@ def _decode(data: Any, max_bytes: int) -> Envelope | Rejection:
         version=version,
         **fields,
     )
+
+
+# What a text must contain for the slow walk below to be worth it: a NUL or a surrogate
+# escape, or a run of 19 digits. Almost no message does, so the walk almost never runs.
+_SUSPECT = re.compile(r"\\u0000|\\u[dD][89a-fA-F]|\d{19}")
+_INT_LIMIT = 2**63
+
+
+def _unstorable(text: str, doc: Any) -> tuple[Reject, str] | None:
+    """A value the console cannot store or compare (PostgreSQL text has no NUL, UTF-8 has no
+    lone surrogate, a bigint ends at 2**63): the message is rejected with where it is,
+    instead of failing inside the handler."""
+    if _SUSPECT.search(text) is None:
+        return None
+    return _walk(doc, "envelope")
+
+
+def _walk(value: Any, path: str) -> tuple[Reject, str] | None:
+    if isinstance(value, str):
+        return _bad_text(value, path)
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        if not -_INT_LIMIT <= value < _INT_LIMIT:
+            return Reject.NUMBER_OUT_OF_RANGE, f"{path} is a number beyond 64 bits"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            bad = _bad_text(key, f"a key of {path}") or _walk(item, f"{path}.{key[:40]}")
+            if bad:
+                return bad
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            bad = _walk(item, f"{path}[{index}]")
+            if bad:
+                return bad
+    return None
+
+
+def _bad_text(text: str, path: str) -> tuple[Reject, str] | None:
+    if "\x00" in text:
+        return Reject.NUL_CHARACTER, f"{path} contains a NUL character (\\u0000)"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return Reject.LONE_SURROGATE, f"{path} contains a lone surrogate (not Unicode text)"
+    return None
 
 
 def _too_large(size: int, max_bytes: int, *, at_least: bool = False) -> Rejection:

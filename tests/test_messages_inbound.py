@@ -232,3 +232,14 @@ def test_sixteen_writers_of_one_message_make_one_row_and_one_actor():
     assert Message.objects.filter(message_id=env.message_id).count() == 1
     assert sum(len(r.to_publish) for r in results) == 2  # one ACK, one response
     assert Message.objects.filter(message_type="TASK_RESPONSE").count() == 1
+
+
+def test_hostile_payloads_are_counted_by_reason_and_nothing_is_stored():
+    from tests.test_protocol import _HOSTILE
+
+    batch = [Incoming(protocol.inbox_topic("ooder", "console"), raw.encode())
+             for raw, _, _ in _HOSTILE.values()]
+    result = messages_ingest(batch=batch, node_id="console", prefix="ooder")
+    assert result.counts == {"rejected:nul_character": 1, "rejected:lone_surrogate": 1,
+                             "rejected:bad_node_id": 2, "rejected:number_out_of_range": 1}
+    assert not Message.objects.exists()

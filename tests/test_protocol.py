@@ -116,17 +116,6 @@ def test_it_encodes_compact_utf8_without_ascii_escapes() -> None:
     assert b", " not in data and b": " not in data
 
 
-def test_it_round_trips_a_lone_surrogate_that_json_escapes_allow() -> None:
-    raw = (
-        b'{"protocol":"a2a","version":"1.0","message":{"messageId":"m-1",'
-        b'"messageType":"EVENT","payload":"\\ud800"}}'
-    )
-    received = decode(raw)
-    assert isinstance(received, Envelope)
-    assert received.payload == "\ud800"
-    assert decode(encode(received)) == received
-
-
 def test_it_writes_every_wire_field_in_camel_case() -> None:
     env = new_envelope(message_type=MessageType.ACK, headers={"ackFor": "m-0"})
     doc = env.to_wire()
@@ -333,6 +322,10 @@ def test_it_accepts_null_optional_fields_and_ignores_unknown_ones() -> None:
 def test_it_covers_every_reject_reason_in_these_tests() -> None:
     # A new reason added to the enum must come with a test of its own.
     assert {r.name for r in Reject} == {
+        "NUL_CHARACTER",
+        "LONE_SURROGATE",
+        "NUMBER_OUT_OF_RANGE",
+        "BAD_NODE_ID",
         "TOO_LARGE",
         "NOT_UTF8",
         "NOT_JSON",
@@ -539,20 +532,41 @@ envelope_shaped = st.fixed_dictionaries(
     optional={"extra": json_values},
 )
 
+# What the console accepts: text without NUL or lone surrogates, integers within 64 bits,
+# node ids that stand as one topic level.
+storable_text = st.text(alphabet=st.characters(blacklist_characters="\x00",
+                                               blacklist_categories=("Cs",)))
+storable_json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**63 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | storable_text,
+    lambda children: (
+        st.lists(children, max_size=5)
+        | st.dictionaries(storable_text.filter(lambda k: len(k) <= 10), children, max_size=5)
+    ),
+    max_leaves=25,
+)
+optional_storable = st.none() | storable_text.filter(lambda t: len(t) <= 30)
+node_ids = st.none() | st.just("") | st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9_.:-]{0,40}\Z")
+
 valid_envelopes = st.builds(
     Envelope,
-    message_id=st.text(min_size=1, max_size=200),
+    message_id=storable_text.filter(lambda t: 1 <= len(t) <= 200),
     message_type=st.sampled_from(MessageType),
-    task_id=optional_str,
-    from_agent_id=optional_str,
-    to_agent_id=optional_str,
-    target_node_id=optional_str,
-    conversation_id=optional_str,
-    scene_group_id=optional_str,
-    session_id=optional_str,
-    timestamp=st.none() | st.integers(min_value=-(2**63), max_value=2**63),
-    headers=st.dictionaries(st.text(max_size=12), finite_json_values, max_size=6),
-    payload=finite_json_values,
+    task_id=optional_storable,
+    from_agent_id=optional_storable,
+    to_agent_id=optional_storable,
+    target_node_id=node_ids,
+    conversation_id=optional_storable,
+    scene_group_id=optional_storable,
+    session_id=optional_storable,
+    timestamp=st.none() | st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    headers=st.dictionaries(
+        storable_text.filter(lambda k: len(k) <= 12 and k not in ("replyNodeId", "originNodeId")),
+        storable_json_values, max_size=6),
+    payload=storable_json_values,
     version=st.sampled_from(["1", "1.0", "1.7", "1.10.3"]),
 )
 
@@ -598,3 +612,40 @@ def test_it_never_raises_on_a_corrupted_valid_message(data: st.DataObject) -> No
         at = data.draw(st.integers(min_value=0, max_value=len(raw) - 1))
         raw[at] = data.draw(st.integers(min_value=0, max_value=255))
     assert isinstance(decode(bytes(raw), max_bytes=10**9), (Envelope, Rejection))
+
+
+# --- values the console cannot store, and node ids that would change a topic -------------
+_HOSTILE = {
+    "nul": ('{"protocol":"a2a","version":"1.0","message":{"messageId":"m1",'
+            '"messageType":"TASK_REQUEST","payload":{"t":"a\\u0000b"}}}',
+            "nul_character", "envelope.message.payload.t contains a NUL character"),
+    "surrogate": ('{"protocol":"a2a","version":"1.0","message":{"messageId":"m1",'
+                  '"messageType":"TASK_REQUEST","payload":"\\ud800"}}',
+                  "lone_surrogate", "envelope.message.payload contains a lone surrogate"),
+    "wildcard reply node": ('{"protocol":"a2a","version":"1.0","message":{"messageId":"m1",'
+                            '"messageType":"TASK_REQUEST","headers":{"replyNodeId":"+/#"}}}',
+                            "bad_node_id", "headers.replyNodeId: node id '+/#'"),
+    "path reply node": ('{"protocol":"a2a","version":"1.0","message":{"messageId":"m1",'
+                        '"messageType":"TASK_REQUEST",'
+                        '"headers":{"replyNodeId":"../../heartbeat/console"}}}',
+                        "bad_node_id", "headers.replyNodeId: node id '../../heartbeat"),
+    "huge number": ('{"protocol":"a2a","version":"1.0","message":{"messageId":"m1",'
+                    '"messageType":"HEARTBEAT","payload":{"agents":[{"agentId":"a.b",'
+                    '"inflight":1000000000000000000000000000000}]}}}',
+                    "number_out_of_range", "payload.agents[0].inflight is a number beyond"),
+}
+
+
+@pytest.mark.parametrize("name", list(_HOSTILE))
+def test_values_the_console_cannot_store_are_rejected_with_where(name):
+    raw, reason, words = _HOSTILE[name]
+    result = decode(raw.encode())
+    assert isinstance(result, Rejection)
+    assert result.reason == reason
+    assert words in result.detail
+
+
+def test_a_surrogate_pair_is_text_not_a_rejection():
+    raw = ('{"protocol":"a2a","version":"1.0","message":{"messageId":"m1",'
+           '"messageType":"EVENT","payload":"\\ud83d\\ude00"}}')
+    assert decode(raw.encode()).payload == "\U0001F600"
