@@ -6,6 +6,7 @@ process on SQLite, an in-memory channel layer and Celery transport, and an embed
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from pathlib import Path
 from urllib.parse import urlparse
@@ -137,20 +138,29 @@ DATABASES = {"default": _db}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Redis: channel layer, cache, Celery --------------------------------------------------
+def console_identity(db: dict) -> str:
+    """One console owns one database: a short, stable name derived from it, so consoles that
+    share a Redis server (whatever its db number) keep their events and cache keys apart."""
+    where = f"{db.get('HOST') or ''}:{db.get('PORT') or ''}/{db.get('NAME')}"
+    return "reach-" + hashlib.sha256(where.encode()).hexdigest()[:12]
+
+
+REACH_CONSOLE_ID = env_str("REACH_CONSOLE_ID") or console_identity(_db)
 REDIS_URL = env_str("REDIS_URL") or None
 EMBEDDED = REDIS_URL is None
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "prefix": env_str("REACH_CHANNEL_PREFIX", "reach")},
+            "CONFIG": {"hosts": [REDIS_URL],
+                       "prefix": env_str("REACH_CHANNEL_PREFIX", REACH_CONSOLE_ID)},
         }
     }
     CACHES = {
         "default": {
             "BACKEND": "django.core.cache.backends.redis.RedisCache",
             "LOCATION": REDIS_URL,
-            "KEY_PREFIX": "reach",
+            "KEY_PREFIX": REACH_CONSOLE_ID,
         }
     }
 else:
