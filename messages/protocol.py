@@ -21,6 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from reachconsole.core.jsonsafe import WORDS, unstorable
+
 PROTOCOL = "a2a"
 VERSION = "1.0"
 SUPPORTED_MAJOR = 1
@@ -346,51 +348,21 @@ def _decode(data: Any, max_bytes: int) -> Envelope | Rejection:
     )
 
 
-# What a text must contain for the slow walk below to be worth it: a NUL or a surrogate
-# escape, or a run of 19 digits. Almost no message does, so the walk almost never runs.
+# What a text must contain for the walk over the document to be worth it: a NUL or a
+# surrogate escape, or a run of 19 digits. Almost no message does, so it almost never runs.
 _SUSPECT = re.compile(r"\\u0000|\\u[dD][89a-fA-F]|\d{19}")
-_INT_LIMIT = 2**63
 
 
 def _unstorable(text: str, doc: Any) -> tuple[Reject, str] | None:
-    """A value the console cannot store or compare (PostgreSQL text has no NUL, UTF-8 has no
-    lone surrogate, a bigint ends at 2**63): the message is rejected with where it is,
-    instead of failing inside the handler."""
+    """A value the console cannot store (reachconsole/core/jsonsafe.py): the message is
+    rejected with where it is, instead of failing inside the handler."""
     if _SUSPECT.search(text) is None:
         return None
-    return _walk(doc, "envelope")
-
-
-def _walk(value: Any, path: str) -> tuple[Reject, str] | None:
-    if isinstance(value, str):
-        return _bad_text(value, path)
-    if isinstance(value, bool):
+    bad = unstorable(doc, "envelope")
+    if bad is None:
         return None
-    if isinstance(value, int):
-        if not -_INT_LIMIT <= value < _INT_LIMIT:
-            return Reject.NUMBER_OUT_OF_RANGE, f"{path} is a number beyond 64 bits"
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            bad = _bad_text(key, f"a key of {path}") or _walk(item, f"{path}.{key[:40]}")
-            if bad:
-                return bad
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            bad = _walk(item, f"{path}[{index}]")
-            if bad:
-                return bad
-    return None
-
-
-def _bad_text(text: str, path: str) -> tuple[Reject, str] | None:
-    if "\x00" in text:
-        return Reject.NUL_CHARACTER, f"{path} contains a NUL character (\\u0000)"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return Reject.LONE_SURROGATE, f"{path} contains a lone surrogate (not Unicode text)"
-    return None
+    code, where = bad
+    return Reject(code), WORDS[code].format(where=where)
 
 
 def _too_large(size: int, max_bytes: int, *, at_least: bool = False) -> Rejection:

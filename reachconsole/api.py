@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
@@ -18,8 +17,10 @@ from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.parser import Parser
 
+from reachconsole.core import jsonsafe
 from reachconsole.core.auth import ServiceAuth
 from reachconsole.core.errors import ApiError, ConsoleError
+from reachconsole.core.jsonsafe import WORDS, unstorable
 from reachconsole.unavailable import UNAVAILABLE_ERRORS, unavailable_response
 
 log = logging.getLogger(__name__)
@@ -27,38 +28,21 @@ log = logging.getLogger(__name__)
 BODY_TOO_LARGE = ("the request body is over the console's limit of {limit:,} bytes "
                   "(DATA_UPLOAD_MAX_MEMORY_SIZE); send less: a message payload may be at most "
                   "{payload:,} bytes (REACH_MAX_MESSAGE_BYTES)")
-NUL_CHARACTER = ("{where} contains a NUL character (\\u0000), which the console neither "
-                 "stores nor sends on; remove it")
-
-
-def _nul_at(value: Any, path: str) -> str | None:
-    """Where in a parsed JSON value a NUL character is (a key or a string), if anywhere."""
-    if isinstance(value, str):
-        return path if "\x00" in value else None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if "\x00" in key:
-                return f"{path}: a key"
-            found = _nul_at(item, f"{path}.{key}")
-            if found:
-                return found
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found = _nul_at(item, f"{path}[{index}]")
-            if found:
-                return found
-    return None
+REFUSE = ", which the console neither stores nor sends on; remove it"
+NUL_CHARACTER = WORDS[jsonsafe.NUL_CHARACTER] + REFUSE
 
 
 class StrictParser(Parser):
-    """JSON bodies and query strings with a NUL character are refused with a 422: PostgreSQL
-    cannot store one in text, and a half-handled request must not become a 500."""
+    """JSON bodies with what the console cannot store (a NUL, a lone surrogate, a number
+    beyond 64 bits: reachconsole/core/jsonsafe.py) and query strings with a NUL are refused
+    with a 422: a half-handled request must not become a 500."""
 
     def parse_body(self, request: HttpRequest) -> dict:
         data = super().parse_body(request)
-        where = _nul_at(data, "body")
-        if where:
-            raise ApiError(422, "nul_character", NUL_CHARACTER.format(where=where))
+        bad = unstorable(data, "body")
+        if bad:
+            code, where = bad
+            raise ApiError(422, code, WORDS[code].format(where=where) + REFUSE)
         return data
 
     def parse_querydict(self, data, list_fields, request: HttpRequest) -> dict:

@@ -71,3 +71,17 @@ def test_paging_numbers_are_bounded(api, params):
     assert answer.status_code == 422
     assert answer.json()["error"] == "invalid_request"
     assert next(iter(params)) in answer.json()["detail"]
+
+
+@pytest.mark.parametrize("raw, code, where", [
+    ('{"to": "fin.tax", "payload": "\\ud800"}', "lone_surrogate", "body.payload"),
+    ('{"to": "fin.tax", "payload": {"n": 100000000000000000000000000000}}',
+     "number_out_of_range", "body.payload.n"),
+])
+def test_what_the_console_cannot_store_is_422_with_where(api, raw, code, where):
+    register("fin.tax", "node-b")
+    answer = api.post("/api/a2a/send", raw=raw)
+    assert answer.status_code == 422
+    assert answer.json()["error"] == code
+    assert answer.json()["detail"].startswith(where)
+    assert not Message.objects.exists()
