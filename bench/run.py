@@ -1,4 +1,5 @@
-"""`make bench`: check the services, then bench/resolve.py, layers.py and ingest.py.
+"""`make bench`: check the services, then bench/resolve.py, layers.py, ingest.py,
+backpressure.py, leases.py and roster_pages.py.
 
 Each bench runs in its own process (ingest.py sets Django up against the bench database;
 layers.py needs no database) and writes its JSON into bench/results/. A service that is not
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     codes = [bench("resolve.py"), bench("layers.py"),
              bench("ingest.py", *(["--strict"] if args.strict else []))]
     codes.append(bench("backpressure.py", *(["--strict"] if args.strict else [])))
+    codes.append(bench("leases.py", *(["--strict"] if args.strict else [])))
+    codes.append(bench("roster_pages.py", *(["--strict"] if args.strict else [])))
     if any(code == 1 or code < 0 for code in codes):
         print("\nBENCH FAILED: a bench did not run to the end (see above)", file=sys.stderr)
         return 1

@@ -1,14 +1,68 @@
-from django.contrib import admin
+from django import forms
+from django.contrib import admin, messages
 
+from directory import aliases
+from directory.errors import DirectoryError
 from directory.models import Alias, ProcessDefinitionBinding, ProcessInstance, SceneBinding
+from reachconsole.core.errors import ConsoleError
+
+
+class AliasForm(forms.ModelForm):
+    class Meta:
+        model = Alias
+        fields = ["alias", "agent_id", "namespace"]
+
+    # Which field a refusal belongs to, by its code; the rest go on the alias.
+    FIELD_OF = {"invalid_agent_id": "agent_id", "alias_other_namespace": "namespace"}
+
+    def clean(self) -> dict:
+        cleaned = super().clean()
+        if any(cleaned.get(key) in (None, "") for key in self.Meta.fields):
+            return cleaned  # a missing field has its own error already
+        try:
+            checked = aliases.alias_check(
+                alias=cleaned["alias"], agent_id=cleaned["agent_id"],
+                namespace=cleaned["namespace"], alias_id=self.instance.pk,
+            )
+        except ConsoleError as exc:
+            self.add_error(self.FIELD_OF.get(exc.code, "alias"),
+                           forms.ValidationError(exc.detail, code=exc.code))
+            return cleaned
+        cleaned.update(alias=checked.alias, agent_id=checked.agent_id)
+        return cleaned
 
 
 @admin.register(Alias)
 class AliasAdmin(admin.ModelAdmin):
+    """Every save and delete goes through directory/aliases.py: the same checks as anywhere
+    else, and an audit row with the staff member as the actor."""
+
+    form = AliasForm
     list_display = ["alias", "agent_id", "namespace", "created_at"]
     list_filter = ["namespace"]
     search_fields = ["alias", "agent_id"]
     list_select_related = ["namespace"]
+
+    def save_model(self, request, obj, form, change) -> None:
+        data, actor = form.cleaned_data, request.user.get_username()
+        if change:
+            aliases.alias_update(alias_id=obj.pk, alias=data["alias"], agent_id=data["agent_id"],
+                                 namespace=data["namespace"], actor=actor)
+            return
+        created = aliases.alias_create(alias=data["alias"], agent_id=data["agent_id"],
+                                       namespace=data["namespace"], actor=actor)
+        # The admin goes on with `obj` (its history, the redirect): make it the stored row.
+        obj.pk, obj.created_at, obj._state.adding = created.pk, created.created_at, False
+
+    def delete_model(self, request, obj) -> None:
+        aliases.alias_delete(alias_id=obj.pk, actor=request.user.get_username())
+
+    def delete_queryset(self, request, queryset) -> None:
+        for alias_id in queryset.order_by("pk").values_list("pk", flat=True):
+            try:
+                aliases.alias_delete(alias_id=alias_id, actor=request.user.get_username())
+            except DirectoryError as exc:  # removed meanwhile by another operator
+                messages.warning(request, exc.detail)
 
 
 @admin.register(SceneBinding)

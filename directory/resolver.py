@@ -16,6 +16,7 @@ console's own, least loaded, agent id) and every tied candidate is shown. "Not f
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -38,12 +39,19 @@ from directory.models import (
     alias_normalize,
 )
 from roster.hearing import bus_heard_since
-from roster.models import Agent, lapse_cutoff, stale_cutoff
+from roster.models import (
+    CONSOLE_AGENTS,
+    Agent,
+    ClusterNode,
+    Consistency,
+    lapse_cutoff,
+    stale_cutoff,
+)
 from roster.services import roster_generation
 
 log = logging.getLogger(__name__)
 
-LOCAL_AGENTS = ("ops.probe",)  # handled inside the console, on REACH_NODE_ID
+LOCAL_AGENTS = tuple(sorted(CONSOLE_AGENTS))  # handled inside the console, on REACH_NODE_ID
 MAX_CANDIDATES = 50
 
 NOT_FOUND = "not_found"
@@ -93,7 +101,8 @@ def is_local_agent(agent_id: str) -> bool:
 
 
 AGENT_FIELDS = ("agent_id", "segment", "status", "lease_expires_at", "last_heartbeat_at",
-                "registered_at", "inflight", "max_inflight", "node__node_id", "namespace__name")
+                "registered_at", "inflight", "max_inflight", "node__node_id", "namespace__name",
+                "node__status", "node__consistency", "node__consistency_reason")
 
 
 def agent_row(agent: Agent) -> dict:
@@ -102,7 +111,9 @@ def agent_row(agent: Agent) -> dict:
             "lease_expires_at": agent.lease_expires_at,
             "last_heartbeat_at": agent.last_heartbeat_at, "registered_at": agent.registered_at,
             "inflight": agent.inflight, "max_inflight": agent.max_inflight,
-            "node__node_id": agent.node.node_id, "namespace__name": agent.namespace.name}
+            "node__node_id": agent.node.node_id, "namespace__name": agent.namespace.name,
+            "node__status": agent.node.status, "node__consistency": agent.node.consistency,
+            "node__consistency_reason": agent.node.consistency_reason}
 
 
 def candidate_for(agent: Agent | dict, now: datetime) -> Candidate:
@@ -118,6 +129,14 @@ def candidate_for(agent: Agent | dict, now: datetime) -> Candidate:
     lapsed = lapse_cutoff(now, heard_since)
     if status == Agent.Status.OFFLINE or (lapsed and row["lease_expires_at"] <= lapsed):
         return Candidate(agent_id, node_id, "OFFLINE", False, "its lease has lapsed", **common)
+    if row["node__consistency"] == Consistency.STALE:
+        # Reconciliation (roster/reconcile.py) found its node gone from the cluster.
+        return Candidate(agent_id, node_id, "STALE", False,
+                         f"its node is STALE: {row['node__consistency_reason']}", **common)
+    if row["node__status"] == ClusterNode.Status.DOWN:
+        return Candidate(agent_id, node_id, status, False,
+                         f"node {node_id} is down: silent for three heartbeat intervals",
+                         **common)
     if node_id == settings.REACH_NODE_ID and not is_local_agent(agent_id):
         # Registered on the console's own node, which runs no consumer for it: work sent
         # there would sit unread. A remote agent with the capability is the right answer.
@@ -140,9 +159,16 @@ def rank_key(candidate: Candidate, namespace: str | None) -> tuple:
             not remote, candidate.load, candidate.agent_id)
 
 
-def _agents(q: Q) -> list[dict]:
+def _agents(q: Q, namespaces: frozenset[str] | None = None) -> list[dict]:
     # values(): the directory reads a few columns of many rows; no model instances needed.
+    if namespaces is not None:
+        q &= Q(namespace__name__in=namespaces)
     return list(Agent.objects.filter(q).values(*AGENT_FIELDS)[:MAX_CANDIDATES])
+
+
+def _within(agent_id: str, namespaces: frozenset[str] | None) -> bool:
+    """Whether a token bound to `namespaces` (None: to none) may see this agent id."""
+    return namespaces is None or agent_id.split(".", 1)[0] in namespaces
 
 
 def _choose(agents: list[dict], *, level: str, match: str | None, namespace: str | None,
@@ -180,22 +206,38 @@ def _choose(agents: list[dict], *, level: str, match: str | None, namespace: str
 
 _ROW_SQL = (
     "SELECT {level}, a.agent_id, a.segment, a.status, a.lease_expires_at, "
-    "a.last_heartbeat_at, a.registered_at, a.inflight, a.max_inflight, n.node_id, ns.name "
+    "a.last_heartbeat_at, a.registered_at, a.inflight, a.max_inflight, n.node_id, ns.name, "
+    "n.status, n.consistency, n.consistency_reason "
     "FROM roster_agent a JOIN roster_clusternode n ON n.id = a.node_id "
     "JOIN roster_namespace ns ON ns.id = a.namespace_id WHERE {where}"
 )
-# The first three levels of a mention in one round trip. Hand-written because it is the
-# directory's hot path: the ORM spends longer compiling these queries than the database
-# spends running them (bench/resolve.py).
-_MENTION_SQL = " UNION ALL ".join([  # noqa: S608 - fixed text; values are parameters
-    _ROW_SQL.format(level=1, where="a.agent_id = %s"),
-    _ROW_SQL.format(level=2, where="a.agent_id IN "
-                    "(SELECT agent_id FROM directory_alias WHERE alias = %s)"),
-    _ROW_SQL.format(level=3, where="a.segment = %s"),
-    # Aliases whatever their agent: one that points off the roster is its own answer.
-    "SELECT 4, agent_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL "
-    "FROM directory_alias WHERE alias = %s",
-]) + f" LIMIT {4 * MAX_CANDIDATES}"
+
+
+@functools.lru_cache(maxsize=16)
+def _mention_sql(bound_to: int) -> str:
+    """The first three levels of a mention in one round trip. Hand-written because it is the
+    directory's hot path: the ORM spends longer compiling these queries than the database
+    spends running them (bench/resolve.py).
+
+    `bound_to`: the number of namespaces the caller's token is bound to (0: unbound). Their
+    agents alone are read, and aliases only when they point into them, so a bound caller's
+    answer, candidates and words never name another namespace's agent."""
+    in_namespaces = in_targets = ""
+    if bound_to:
+        in_namespaces = f" AND ns.name IN ({', '.join(['%s'] * bound_to)})"
+        in_targets = " AND (" + " OR ".join(["agent_id LIKE %s ESCAPE '!'"] * bound_to) + ")"
+    by_alias = "a.agent_id IN (SELECT agent_id FROM directory_alias WHERE alias = %s)"
+    return " UNION ALL ".join([  # noqa: S608 - fixed text; values are parameters
+        _ROW_SQL.format(level=1, where=f"a.agent_id = %s{in_namespaces}"),
+        _ROW_SQL.format(level=2, where=f"{by_alias}{in_namespaces}"),
+        _ROW_SQL.format(level=3, where=f"a.segment = %s{in_namespaces}"),
+        # Aliases whatever their agent: one that points off the roster is its own answer.
+        "SELECT 4, agent_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, "
+        "NULL, NULL "
+        "FROM directory_alias WHERE alias = %s" + in_targets,
+    ]) + f" LIMIT {4 * MAX_CANDIDATES}"
+
+
 _COLUMNS = ("level", *AGENT_FIELDS)
 
 
@@ -208,9 +250,14 @@ def _aware(value):
     return value
 
 
-def _mention_rows(*, agent_id: str, text: str) -> list[dict]:
+def _mention_rows(*, agent_id: str, text: str,
+                  namespaces: frozenset[str] | None = None) -> list[dict]:
+    names = sorted(namespaces or ())
+    # Namespaces are [a-z0-9_-]: only '_' is special to LIKE.
+    prefixes = [name.replace("_", "!_") + ".%" for name in names]
+    params = [agent_id, *names, text, *names, text, *names, text, *prefixes]
     with connection.cursor() as cursor:
-        cursor.execute(_MENTION_SQL, [agent_id, text, text, text])
+        cursor.execute(_mention_sql(len(names)), params)
         raw = cursor.fetchall()
     rows = []
     for values in raw:
@@ -223,13 +270,15 @@ def _mention_rows(*, agent_id: str, text: str) -> list[dict]:
 
 
 def _by_mention(mention: str, *, namespace: str | None, target_node_id: str | None,
-                now: datetime) -> Resolution | None:
+                now: datetime, namespaces: frozenset[str] | None = None) -> Resolution | None:
     text = alias_normalize(mention)
     if not text:
         return None
     level = "explicit" if target_node_id else "mention"
     agent_id = text.replace("/", ".", 1)
-    rows = _mention_rows(agent_id=agent_id, text=text)
+    if namespaces is not None and not namespaces:
+        return None
+    rows = _mention_rows(agent_id=agent_id, text=text, namespaces=namespaces)
     choose = {"level": level, "namespace": namespace, "target_node_id": target_node_id,
               "now": now}
     exact = [r for r in rows if r["level"] == 1]
@@ -248,8 +297,8 @@ def _by_mention(mention: str, *, namespace: str | None, target_node_id: str | No
         return _choose(by_segment, match="capability", what=f"capability segment {text}",
                        **choose)
     if len(text) >= 3:
-        ids = agent_ids_containing(text)
-        fuzzy = _agents(Q(agent_id__in=ids)) if ids else []
+        ids = agent_ids_containing(text, namespaces=namespaces)
+        fuzzy = _agents(Q(agent_id__in=ids), namespaces) if ids else []
         if fuzzy:
             return _choose(fuzzy, match="substring", what=f"substring {text!r}", **choose)
     return None
@@ -266,7 +315,7 @@ class _AgentIdIndex:
         self._ids = ""  # agent ids, one per line (ASCII by the id rules)
         self._lowered = ""  # the same, lowercased: same length, same offsets
 
-    def containing(self, text: str) -> list[str]:
+    def containing(self, text: str, namespaces: frozenset[str] | None = None) -> list[str]:
         version = roster_generation()
         with self._lock:
             if version != self._version:
@@ -280,7 +329,8 @@ class _AgentIdIndex:
             start = lowered.rfind("\n", 0, at) + 1
             end = lowered.find("\n", at)
             end = len(lowered) if end < 0 else end
-            found.append(ids[start:end])
+            if _within(ids[start:end], namespaces):
+                found.append(ids[start:end])
             at = lowered.find(needle, end)
         return found
 
@@ -288,8 +338,8 @@ class _AgentIdIndex:
 _agent_ids = _AgentIdIndex()
 
 
-def agent_ids_containing(text: str) -> list[str]:
-    return _agent_ids.containing(text)
+def agent_ids_containing(text: str, *, namespaces: frozenset[str] | None = None) -> list[str]:
+    return _agent_ids.containing(text, namespaces)
 
 
 def _pid_definition(pid: str) -> str | None:
@@ -311,8 +361,12 @@ def _pid_definition(pid: str) -> str | None:
 
 
 def _by_binding(agent_id: str, *, level: str, what: str, namespace: str | None,
-                target_node_id: str | None, now: datetime) -> Resolution:
-    agents = _agents(Q(agent_id=agent_id))
+                target_node_id: str | None, now: datetime,
+                namespaces: frozenset[str] | None = None) -> Resolution:
+    if not _within(agent_id, namespaces):
+        return Resolution(None, None, level, f"{what} is bound to an agent outside the "
+                          "namespaces of this service token", outcome=NOT_FOUND)
+    agents = _agents(Q(agent_id=agent_id), namespaces)
     if not agents:
         return Resolution(None, None, level, f"{what} is bound to {agent_id}, which is not on "
                           "the roster", outcome=NOT_FOUND)
@@ -322,12 +376,15 @@ def _by_binding(agent_id: str, *, level: str, what: str, namespace: str | None,
 
 def resolve(*, mention: str | None = None, target_node_id: str | None = None,
             pid: str | None = None, scene_id: str | None = None, namespace: str | None = None,
-            now: datetime | None = None) -> Resolution:
+            namespaces: frozenset[str] | None = None, now: datetime | None = None) -> Resolution:
+    """`namespaces`: the caller's token is bound to these (None: unbound). Agents of other
+    namespaces are never chosen, listed as candidates, or named in the reason."""
     now = now or timezone.now()
     target_node_id = target_node_id or None
     tried = []
     if mention:
-        found = _by_mention(mention, namespace=namespace, target_node_id=target_node_id, now=now)
+        found = _by_mention(mention, namespace=namespace, target_node_id=target_node_id,
+                            now=now, namespaces=namespaces)
         if found is not None:
             return found
         tried.append(f"mention {alias_normalize(mention)!r} matched no agent id, alias, "
@@ -339,14 +396,15 @@ def resolve(*, mention: str | None = None, target_node_id: str | None = None,
         if binding:
             return _by_binding(binding.agent_id, level="pid", namespace=namespace,
                                what=f"pid {pid} (definition {definition})",
-                               target_node_id=target_node_id, now=now)
+                               target_node_id=target_node_id, now=now, namespaces=namespaces)
         tried.append(f"pid {pid} has no process binding" if definition is None else
                      f"definition {definition} of pid {pid} is bound to no agent")
     if scene_id:
         scene = SceneBinding.objects.filter(scene_id=scene_id).first()
         if scene:
             return _by_binding(scene.agent_id, level="scene", namespace=namespace,
-                               what=f"scene {scene_id}", target_node_id=target_node_id, now=now)
+                               what=f"scene {scene_id}", target_node_id=target_node_id, now=now,
+                               namespaces=namespaces)
         tried.append(f"scene {scene_id} has no binding")
     if not tried:
         return Resolution(None, None, None, "name a mention, a pid or a scene id to resolve",

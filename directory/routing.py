@@ -39,10 +39,14 @@ def namespace_of(agent_id: str | None) -> str | None:
     return agent_id.split(".", 1)[0]
 
 
-def _namespace_q(namespace: str | None) -> Q:
-    if namespace is None:
-        return Q()
-    return Q(namespace__name=namespace) | Q(namespace__open_to_other_namespaces=True)
+def _namespace_q(namespace: str | None, within: Iterable[str] | None = None) -> Q:
+    """The agents a caller of `namespace` may reach: its own namespace and the open ones,
+    and never outside `within` (the namespaces a bound service token may reach)."""
+    q = Q() if namespace is None else (
+        Q(namespace__name=namespace) | Q(namespace__open_to_other_namespaces=True))
+    if within is not None:
+        q &= Q(namespace__name__in=sorted(within))
+    return q
 
 
 def caller_region(from_agent_id: str | None) -> str | None:
@@ -56,19 +60,22 @@ def caller_region(from_agent_id: str | None) -> str | None:
 
 def route_capability(*, capability: str, from_agent_id: str | None = None,
                      exclude: Iterable[str] = (), unacked: UnackedCounts | None = None,
+                     within: Iterable[str] | None = None,
                      now: datetime | None = None) -> Resolution:
     now = now or timezone.now()
     namespace = namespace_of(from_agent_id)
     excluded = set(exclude)
     agents = list(
         Agent.objects.select_related("node", "namespace")
-        .filter(_namespace_q(namespace), capabilities__icontains=json.dumps(capability))
+        .filter(_namespace_q(namespace, within), capabilities__icontains=json.dumps(capability))
         .order_by("agent_id")[:MAX_ROUTE_CANDIDATES]
     )
     # icontains on the JSON text can match inside a longer name in odd cases: check exactly.
     agents = [a for a in agents if capability in a.capabilities]
     if not agents:
         scope = f"namespace {namespace} or an open namespace" if namespace else "any namespace"
+        if within is not None:
+            scope += f" that this caller may reach ({', '.join(sorted(within)) or 'none'})"
         return Resolution(None, None, "capability",
                           f"no agent in {scope} offers capability {capability}",
                           outcome="not_found")
@@ -109,13 +116,15 @@ def route_capability(*, capability: str, from_agent_id: str | None = None,
 
 
 def group_members(*, group: str, from_agent_id: str | None = None,
+                  within: Iterable[str] | None = None,
                   now: datetime | None = None) -> list[Candidate]:
     """Every member of `#group` the caller may reach, routable or not (with why)."""
     now = now or timezone.now()
     label = group if group.startswith("#") else f"#{group}"
     agents = (
         Agent.objects.select_related("node", "namespace")
-        .filter(_namespace_q(namespace_of(from_agent_id)), groups__icontains=json.dumps(label))
+        .filter(_namespace_q(namespace_of(from_agent_id), within),
+                groups__icontains=json.dumps(label))
         .order_by("agent_id")
     )
     return [candidate_for(a, now) for a in agents if label in a.groups]

@@ -36,10 +36,16 @@ class SpecEntry:
                 "remote": self.remote, "shadowed": [c.as_dict() for c in self.shadowed]}
 
 
-def specs(*, namespace: str | None = None, now: datetime | None = None) -> list[SpecEntry]:
+def specs(*, namespace: str | None = None, namespaces: frozenset[str] | None = None,
+          now: datetime | None = None) -> list[SpecEntry]:
+    """`namespaces`: the caller's token is bound to these; agents of others are neither
+    entries nor shadowed candidates."""
     now = now or timezone.now()
     by_segment: dict[str, list[Candidate]] = defaultdict(list)
-    for agent in Agent.objects.select_related("node", "namespace").order_by("agent_id"):
+    agents = Agent.objects.select_related("node", "namespace").order_by("agent_id")
+    if namespaces is not None:
+        agents = agents.filter(namespace__name__in=namespaces)
+    for agent in agents:
         by_segment[agent.segment].append(candidate_for(agent, now))
     entries = []
     for segment in sorted(by_segment):

@@ -5,50 +5,80 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest
-from ninja import Field, Router, Schema, Status
+from ninja import Field, Router, Status
+from pydantic import BeforeValidator, ConfigDict
 
 from directory.routing import namespace_of
 from messages.models import Message
 from messages.outbound import (
+    SendRefused,
     SendRequest,
-    message_resend,
     message_send,
+    messages_resend,
     messages_send_group,
 )
+from messages.redact import redacted
 from messages.rows import message_fields
 from messages.selectors import message_replies, task_attempts, task_requests, task_response
+from reachconsole.core.apidoc import BodyIn, JsonValue, json_int, refusals
 from reachconsole.core.errors import ApiError
+from roster.fields import AGENT_ID_INPUT_PATTERN, NAME, AgentIdInput, NodeId
+from roster.models import NAME_RE
 from roster.services import agent_id_parse
 
 router = Router(tags=["a2a"])
 
 
-class SendIn(Schema):
-    to: str = Field(..., max_length=265,
-                    description='"ns.agent", "@mention", "capability:x" or "#group"')
-    payload: Any = None
+CAPABILITY_PREFIX = "capability:"
+# What `to` may be: an agent id, `@mention`, `capability:name` or `#group`.
+TO_PATTERN = (rf"^(?:{CAPABILITY_PREFIX}{NAME}|#{NAME}|@.+|"
+              rf"{AGENT_ID_INPUT_PATTERN.removeprefix('^').removesuffix('$')})$")
+
+
+def _to_check(value: Any) -> Any:
+    """The words for a `to` that names nothing the console can send to (the schema's pattern
+    holds it to the same forms)."""
+    if not isinstance(value, str):
+        return value
+    if value.startswith(CAPABILITY_PREFIX):
+        if not NAME_RE.fullmatch(value.removeprefix(CAPABILITY_PREFIX)):
+            raise SendRefused("name the capability: `capability:web_search` (letters, digits, "
+                              "'-', '_', '.')")
+    elif value.startswith("#"):
+        if not NAME_RE.fullmatch(value.removeprefix("#")):
+            raise SendRefused(f"`{value[:60]}` is not a group: `#data-processing` (letters, "
+                              "digits, '-', '_', '.')")
+    elif not value.startswith("@"):
+        agent_id_parse(value)
+    return value
+
+
+class SendIn(BodyIn):
+    # `wait` takes one response, which a group send does not have (422).
+    model_config = ConfigDict(json_schema_extra={"not": {
+        "required": ["to", "wait"],
+        "properties": {"to": {"pattern": "^#"}, "wait": {"const": True}},
+    }})
+
+    to: Annotated[str, BeforeValidator(_to_check)] = Field(
+        ..., max_length=265, pattern=TO_PATTERN,
+        description='"ns.agent", "@mention", "capability:x" or "#group"')
+    payload: JsonValue = None
     task_id: str | None = Field(None, alias="taskId", max_length=120)
-    target_node_id: str | None = Field(None, alias="targetNodeId", max_length=128)
-    timeout_ms: int | None = Field(None, alias="timeoutMs", ge=100, le=86_400_000)
+    target_node_id: NodeId | None = Field(None, alias="targetNodeId")
+    timeout_ms: json_int(ge=100, le=86_400_000) | None = Field(None, alias="timeoutMs")
     wait: bool = False
-    from_agent_id: str | None = Field(None, alias="from", max_length=265)
+    from_agent_id: AgentIdInput | None = Field(None, alias="from")
     conversation_id: str = Field("", alias="conversationId", max_length=200)
     scene_group_id: str = Field("", alias="sceneGroupId", max_length=200)
     session_id: str = Field("", alias="sessionId", max_length=200)
     idempotency_key: str | None = Field(None, alias="idempotencyKey", max_length=200)
 
 
-class ErrorOut(Schema):
-    error: str
-    detail: str
-
-
-ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut,
-          413: ErrorOut, 422: ErrorOut}
 
 
 def _iso(moment: datetime | None) -> str | None:
@@ -72,11 +102,25 @@ TIMEOUT_WORDS = ("the response did not arrive in time; the task may have been ac
                  "query GET /api/a2a/messages/{id} later")
 
 
-@router.post("/send", response={200: dict, 202: dict, **ERRORS})
+# A sent message is what the operations on one message take (OpenAPI links).
+_MESSAGE_LINKS = {
+    "links": {
+        name: {"operationId": f"messages_api_{name}",
+               "parameters": {"message_id": "$response.body#/messageId"}}
+        for name in ("message_detail", "resend")
+    },
+}
+
+
+@router.post("/send", response={200: dict, 202: dict, **refusals(429, body=True)},
+             openapi_extra={"responses": {200: _MESSAGE_LINKS, 202: _MESSAGE_LINKS}})
 async def send(request: HttpRequest, body: SendIn):
     """`to`: an agent id, `@mention`, `capability:name` or `#group` (one row per member).
     With `wait`, answers with the TASK_RESPONSE, or 202 when it does not come in time."""
     status, out = await sync_to_async(_send)(request.auth, body)
+    if body.wait and out.get("status") == "LOCAL_CONSUMED":
+        # A console agent answered in-process: its response is stored already.
+        return Status(200, await sync_to_async(_task_outcome)(out["messageId"]) or out)
     if not body.wait or out.get("status") != "SENT":
         return Status(status, out)
     # Waiting holds no transaction and no thread: short reads between asyncio sleeps.
@@ -85,9 +129,11 @@ async def send(request: HttpRequest, body: SendIn):
     while time.monotonic() < deadline:
         await asyncio.sleep(pause)
         pause = min(pause * 1.5, 0.25)
-        outcome = await sync_to_async(_task_outcome)(out["taskId"])
+        outcome = await sync_to_async(_task_outcome)(out["messageId"])
         if outcome is not None:
             return Status(200, outcome)
+    # Not SENT any more, most likely: say where the task stands now (e.g. ACKED).
+    out = await sync_to_async(_task_state)(out["messageId"]) or out
     out["detail"] = TIMEOUT_WORDS.replace("{id}", out["messageId"])
     return Status(202, out)
 
@@ -111,6 +157,7 @@ def _send(caller, body: SendIn) -> tuple[int, dict]:
         from_agent_id=body.from_agent_id, timeout_ms=body.timeout_ms,
         conversation_id=body.conversation_id, scene_group_id=body.scene_group_id,
         session_id=body.session_id, idempotency_key=body.idempotency_key,
+        within=caller.token.namespaces,
     )
     # A SendRefused is a ConsoleError: the API root answers it with its status and words.
     if to.startswith("#"):
@@ -128,16 +175,34 @@ def _send(caller, body: SendIn) -> tuple[int, dict]:
 
 
 FINAL = {"COMPLETED", "TASK_ERROR", "UNDELIVERABLE", "FAILED", "NACKED", "EXPIRED", "BUSY"}
+# A task answered with a response: by a node, or in-process by a console agent.
+ANSWERED = {"COMPLETED", "TASK_ERROR", "LOCAL_CONSUMED"}
 
 
-def _task_outcome(task_id: str) -> dict | None:
+def _attempts(message_id: str) -> list[Message]:
+    """The transmissions of this send: the row itself and the retries and resends that
+    follow from it, not another caller's work that happens to use the same task id."""
+    root = Message.objects.filter(message_id=message_id).values_list("task_id", "pk").first()
+    if root is None:
+        return []
+    chain, ours = {root[1]}, []
+    for row in task_requests(root[0]):  # oldest first: a retry comes after what it retries
+        if row.pk in chain or row.resend_of_id in chain:
+            chain.add(row.pk)
+            ours.append(row)
+    return ours
+
+
+def _task_outcome(message_id: str) -> dict | None:
     """The task's answer once it has one: its response, or how its last attempt ended."""
-    attempts = task_requests(task_id)
-    answered = [m for m in attempts if m.status in ("COMPLETED", "TASK_ERROR")]
+    attempts = _attempts(message_id)
+    answered = [m for m in attempts if m.status in ANSWERED]
     if answered:
         row = answered[-1]
         out = message_out(row)
         response = task_response(row)
+        # Not masked (messages/redact.py): this is the result the caller asked for, not a
+        # record shown to someone else.
         out["response"] = response.payload if response else None
         return out
     last = attempts[-1] if attempts else None
@@ -146,7 +211,32 @@ def _task_outcome(task_id: str) -> dict | None:
     return None
 
 
-@router.get("/messages/{message_id}", response={200: dict, **ERRORS})
+def _task_state(message_id: str) -> dict | None:
+    """Where the task's latest transmission stands now, answered or not."""
+    attempts = _attempts(message_id)
+    return message_out(attempts[-1]) if attempts else None
+
+
+def _hider(row: Message, namespaces: frozenset[str]):
+    """For a namespace-bound caller reading a row another caller may have routed: the
+    candidates of its namespaces only, and words that name no other namespace's agent."""
+    resolution = dict(row.resolution or {})
+    candidates = resolution.get("candidates") or []
+    resolution["candidates"] = [c for c in candidates
+                                if namespace_of(c.get("agentId")) in namespaces]
+    hidden = [c for c in candidates if namespace_of(c.get("agentId")) not in namespaces]
+
+    def hide(text: str) -> str:
+        for c in hidden:
+            for named in (f"{c.get('agentId')} on {c.get('nodeId')}", c.get("agentId")):
+                if named:
+                    text = text.replace(named, "(an agent of another namespace)")
+        return text
+
+    return resolution, hide
+
+
+@router.get("/messages/{message_id}", response={200: dict, **refusals(404)})
 def message_detail(request: HttpRequest, message_id: str):
     row = Message.objects.select_related("resend_of").filter(message_id=message_id).first()
     if row is None:
@@ -159,43 +249,51 @@ def message_detail(request: HttpRequest, message_id: str):
                            "this service token is bound to other namespaces than this "
                            "message's agents")
     out = message_out(row)
-    out["payload"] = row.payload
-    out["headers"] = row.headers
+    hide = str
+    if namespaces is not None:
+        out["resolution"], hide = _hider(row, namespaces)
+        out["error"] = hide(row.error) or None
+    out["payload"] = redacted(row.payload)
+    out["headers"] = redacted(row.headers)
     out["transitions"] = [
         {"from": t.from_status or None, "to": t.to_status, "at": t.at.isoformat(),
-         "reason": t.reason or None, "actor": t.actor, "by": t.by or None}
+         "reason": hide(t.reason) or None, "actor": t.actor, "by": t.by or None}
         for t in row.transitions.all()
     ]
     out["attempts"] = [
         {"messageId": m.message_id, "attempt": m.attempt, "status": m.status}
         for m in task_attempts(row)
+        # Another caller's work may carry the same task id: a bound caller sees its own.
+        if namespaces is None or {namespace_of(m.from_agent_id),
+                                  namespace_of(m.to_agent_id)} & namespaces
     ]
     out["replies"] = [
         {"messageId": m.message_id, "messageType": m.message_type, "status": m.status,
-         "payload": m.payload, "createdAt": m.created_at.isoformat()}
+         "payload": redacted(m.payload), "createdAt": m.created_at.isoformat()}
         for m in message_replies(row)
     ]
     return Status(200, out)
 
 
-class ResendIn(Schema):
+class ResendIn(BodyIn):
     new_idempotency_key: bool = Field(False, alias="newIdempotencyKey")
 
 
-@router.post("/messages/{message_id}/resend", response={202: dict, 200: dict, **ERRORS})
+@router.post("/messages/{message_id}/resend",
+             response={202: dict, 200: dict, **refusals(404, 409, 429, body=True)})
 def resend(request: HttpRequest, message_id: str, body: ResendIn | None = None):
     """A new transmission of the same task (same task id; the same idempotency key unless
     `newIdempotencyKey`, which asks the receiver to run the work again)."""
     body = body or ResendIn()
-    previous = Message.objects.filter(message_id=message_id).first()
-    if previous is not None:
-        namespace = namespace_of(previous.to_agent_id)
-        if namespace:
-            request.auth.require_namespace(namespace)
-    row = message_resend(message_id=message_id, by=request.auth.label,
-                         new_idempotency_key=body.new_idempotency_key)
-    out = message_out(row)
+    rows = messages_resend(message_ids=[message_id], by=request.auth.label,
+                           new_idempotency_key=body.new_idempotency_key,
+                           within=request.auth.token.namespaces)
+    if len(rows) == 1:
+        out = message_out(rows[0])
+    else:  # a group send that reached no member, now sent to each member the group has
+        out = {"taskId": rows[0].task_id, "status": "FANNED_OUT",
+               "messages": [message_out(r) for r in rows]}
     if body.new_idempotency_key:
         out["warning"] = ("sent with a new idempotency key: the receiver will run the work "
                           "again even if it already ran it")
-    return Status(202 if row.status == "SENT" else 200, out)
+    return Status(202 if any(r.status == "SENT" for r in rows) else 200, out)

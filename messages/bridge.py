@@ -43,17 +43,20 @@ from directory.resolver import LOCAL_AGENTS
 from messages import protocol
 from messages.delivery import ack_deadline
 from messages.events import events_on_commit
+from messages.handlers import LOCAL_HANDLERS
 from messages.inbound import Incoming, messages_ingest
 from messages.models import Message, Status
 from messages.outbox import (
     OutboxListener,
     outbox_claim,
     outbox_defer,
+    outbox_release_responses,
     outbox_subscribe,
     outbox_unsubscribe,
 )
 from messages.rows import envelope_from_row
 from messages.state import Change, changes_apply
+from reachconsole.core.logs import log_fields
 from reachconsole.core.metrics import LocalCounter
 from roster.hearing import hearing_lost, hearing_record
 from roster.services import agent_register, heartbeat_record
@@ -90,6 +93,23 @@ class _Confirmed:
     at: datetime  # when the PUBACK arrived: published_at, and the receiver's clock starts
 
 
+def _response_waits_for(row: Message) -> str:
+    """The request whose response waits for this row to be published: an ACK by one of the
+    console's own agents (messages/inbound.py holds their responses back), else ""."""
+    if row.message_type == protocol.MessageType.ACK and row.from_agent_id in LOCAL_HANDLERS:
+        return row.in_reply_to
+    return ""
+
+
+def _log_fields_of(payload: bytes) -> dict[str, str]:
+    """The message's ids for a log line about a payload that failed after decoding."""
+    env = protocol.decode(payload, max_bytes=settings.REACH_MAX_MESSAGE_BYTES)
+    if isinstance(env, protocol.Rejection):
+        return {}
+    return log_fields(message_id=env.message_id, task_id=env.task_id or "",
+                      agent=env.to_agent_id or "", node=env.target_node_id or "")
+
+
 def client_id_for(node_id: str, instance: str) -> str:
     """One fixed id per bridge instance: a persistent session, and two bridges with one id
     would kick each other off the broker forever."""
@@ -123,8 +143,9 @@ class Bridge:
         self.generation = 0
         self._work: queue.Queue = queue.Queue(maxsize=QUEUE_LIMIT)
         self._confirms: collections.deque[_Confirmed] = collections.deque()
-        # paho mid → (a2a_message pk, whether it is a task request), until the PUBACK
-        self._pending: dict[int, tuple[int, bool]] = {}
+        # paho mid → (a2a_message pk, whether it is a task request, the request whose
+        # response waits for this ACK or ""), until the PUBACK
+        self._pending: dict[int, tuple[int, bool, str]] = {}
         self._outbox_due = threading.Event()
         self._next_poll = 0.0
         self._listener = OutboxListener(self._wake_outbox)
@@ -136,6 +157,7 @@ class Bridge:
         self._client: mqtt.Client | None = None
         self._last_heartbeat = 0.0
         self._last_flush = 0.0
+        self._counted_generation = 0  # connections counted so far (reconnects metric)
         self.dropped_total: int | None = None
 
     @classmethod
@@ -342,8 +364,17 @@ class Bridge:
             self._heartbeat()
         if now - self._last_flush >= 1.0:
             self._last_flush = now
+            self._count_reconnects()
             self.counts.flush()
         return found
+
+    def _count_reconnects(self) -> None:
+        # The generation is bumped by paho's thread alone; counted here, by the owner, so the
+        # counter needs no lock. The first connection is not a reconnect.
+        generation = self.generation
+        if self._counted_generation and generation > self._counted_generation:
+            self.counts[f"reconnects:{self.client_id}"] += generation - self._counted_generation
+        self._counted_generation = generation
 
     def _guard_db(self, work) -> bool:
         """Database work of the owner loop that may meet an outage: warn (at most every
@@ -429,6 +460,7 @@ class Bridge:
                 self.counts["ingest_retries"] += 1
                 time.sleep(delay)
         self.counts.update(result.counts)
+        self.counts[f"ingested:{self.client_id}"] += result.counts["stored"]
         self._ack(received)
         if result.to_publish:
             self._outbox_due.set()  # answers and freed work: publish them on this turn
@@ -445,7 +477,8 @@ class Bridge:
             except Exception:
                 # A message that makes the handler fail is counted and skipped, not retried
                 # forever: everything behind it would wait.
-                log.exception("skipping a message on %s that the handler cannot take", item.topic)
+                log.exception("skipping a message on %s that the handler cannot take", item.topic,
+                              extra=_log_fields_of(item.payload))
                 total.counts["handler_errors"] += 1
                 continue
             total.counts.update(one.counts)
@@ -468,6 +501,7 @@ class Bridge:
             return
         failed: list[Change] = []
         deferred: list[int] = []
+        released: list[str] = []
         for row in rows:
             try:
                 data = protocol.encode(envelope_from_row(row),
@@ -476,12 +510,14 @@ class Bridge:
                 failed.append(Change(pk=row.pk, to=Status.FAILED,
                                      allowed=frozenset({Status.SENT}), actor="bridge",
                                      reason=str(exc), fields={"error": str(exc)}))
+                released += filter(None, [_response_waits_for(row)])
                 continue
             topic = row.topic or protocol.inbox_topic(self.prefix, row.target_node_id)
             info = client.publish(topic, data, qos=1)
             if info.rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
                 # NO_CONN: paho keeps a QoS 1 message and sends it on reconnect.
-                self._pending[info.mid] = (row.pk, row.message_type == "TASK_REQUEST")
+                self._pending[info.mid] = (row.pk, row.message_type == "TASK_REQUEST",
+                                           _response_waits_for(row))
                 self.counts["published"] += 1
             else:
                 # QUEUE_SIZE and friends: not queued. The row stays SENT, due again shortly.
@@ -491,15 +527,18 @@ class Bridge:
             jitter = 0.5 + random.random() * 0.5  # noqa: S311
             outbox_defer(pks=deferred, until=timezone.now() + timedelta(seconds=jitter))
         if failed:
-            self._apply(failed)
+            self._apply(failed, release=released)
 
     def _confirm(self, confirms: list[_Confirmed]) -> None:
         now = timezone.now()
         changes = []
+        released: list[str] = []
         for item in confirms:
-            pk, request = self._pending.pop(item.mid, (None, False))
+            pk, request, waiting = self._pending.pop(item.mid, (None, False, ""))
             if pk is None:
                 continue
+            if waiting:  # the broker has the ACK (or refused it): the response may go now
+                released.append(waiting)
             if item.failure:
                 reason = f"the broker refused it: {item.failure}"
                 changes.append(Change(pk=pk, to=Status.FAILED, allowed=frozenset({Status.SENT}),
@@ -514,7 +553,7 @@ class Bridge:
                 changes.append(Change(pk=pk, to=Status.PUBLISHED,
                                       allowed=frozenset({Status.SENT}), actor="bridge",
                                       reason="PUBACK", fields=fields))
-        skipped = self._apply(changes, now=now)
+        skipped = self._apply(changes, now=now, release=released)
         # An ACK may have overtaken the PUBACK: keep the time the broker took it anyway.
         taken = [c.pk for c in changes if c.to == Status.PUBLISHED]
         if taken and skipped:
@@ -525,9 +564,11 @@ class Bridge:
                 log.warning("could not record when the broker took %d messages: %s",
                             len(taken), exc)
 
-    def _apply(self, changes: list[Change], now: datetime | None = None) -> int:
-        """Apply status changes, retrying through a database outage; returns how many were
-        skipped (their rows had moved on)."""
+    def _apply(self, changes: list[Change], now: datetime | None = None,
+               release: list[str] | None = None) -> int:
+        """Apply status changes, and make due the responses that waited for these ACKs
+        (`release`: the requests they answer), retrying through a database outage; returns
+        how many changes were skipped (their rows had moved on)."""
         if not changes:
             return 0
         now = now or timezone.now()
@@ -535,8 +576,15 @@ class Bridge:
             try:
                 close_old_connections()
                 with transaction.atomic():
+                    # With the ACK's change: a response is never left waiting for an ACK
+                    # whose PUBACK was recorded. Before changes_apply, which may take agents'
+                    # load rows: message rows first (messages/load.py, the lock order).
+                    released = bool(release) and outbox_release_responses(request_ids=release,
+                                                                          now=now)
                     applied = changes_apply(changes, now=now)
                     events_on_commit(applied.events)
+                if released:  # committed: the claim loop will see them
+                    self._outbox_due.set()
                 return applied.skipped
             except DatabaseError as exc:
                 if delay is None or self._stop.is_set():

@@ -25,6 +25,7 @@ from django.db import transaction
 
 from messages.models import FAILURE_STATUSES, Message
 from messages.rows import message_fields
+from messages.tally import events_count
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,12 @@ publisher = EventPublisher()
 
 
 def events_on_commit(events: list[dict]) -> None:
-    """Send `events` once the current transaction commits; nothing if it rolls back."""
+    """Send `events` once the current transaction commits, and count the changes they
+    announce (messages/tally.py); nothing if it rolls back."""
     if events:
-        transaction.on_commit(lambda: publisher.publish(events))
+        transaction.on_commit(lambda: _committed(events))
+
+
+def _committed(events: list[dict]) -> None:
+    publisher.publish(events)
+    events_count(events)

@@ -1,12 +1,16 @@
 """What the bridge does with a batch of MQTT messages, in PROTOCOL.md's order:
 
-1. reject and count what is not an A2A envelope (never crash, never a half row);
+1. reject and count what is not an A2A envelope (never crash, never a half row); a request
+   to us that still names itself and a valid origin node is told why (NACK);
 2. drop self-originated messages (heartbeats by `originNodeId` only);
-3. answer a duplicate TASK_REQUEST (same idempotency key in the window) with ACK
-   `duplicate: true`, without executing or storing it again;
+3. answer a duplicate request (same idempotency key in the window, or a messageId already
+   stored) with ACK `duplicate: true`, without executing or storing it again;
 4. store each message once (`ON CONFLICT DO NOTHING`), then act only on rows this call
-   inserted: ACK/NACK/BUSY move the acknowledged send, TASK_RESPONSE completes its request,
-   HEARTBEAT renews leases through the roster, a request to a console agent runs once.
+   inserted: ACK/NACK/BUSY move the acknowledged send and TASK_RESPONSE completes its
+   request, when they come from the node it was sent to on the requester's inbox (else
+   they are refused, with the reason on their own row); HEARTBEAT renews leases and DRAIN
+   drains agents through the roster; a request to a console agent runs once, and a request
+   without replyNodeId not at all.
 
 One transaction per batch; the bridge acknowledges the batch to the broker after it commits.
 """
@@ -18,6 +22,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
@@ -31,12 +36,22 @@ from messages.idempotency import idempotency_claim, idempotency_release
 from messages.load import held_release
 from messages.models import Direction, Message, Status
 from messages.outbound import message_reroute
-from messages.rows import ReceivedRow, received_row, reply_row
-from messages.state import Change, atomic_retrying, changes_apply, messages_insert_new
-from roster.services import heartbeat_record
+from messages.redact import redacted
+from messages.rows import (
+    ReceivedRow,
+    received_row,
+    rejection_reply_row,
+    reply_row,
+    row_log_fields,
+)
+from messages.state import Change, Heard, atomic_retrying, changes_apply, messages_insert_new
+from roster.errors import RosterError
+from roster.services import agent_id_parse, agents_drain_for_node, heartbeat_record
 
 log = logging.getLogger(__name__)
 MT = protocol.MessageType
+# What the console answers when it is asked (and acknowledges as a duplicate when repeated).
+REQUESTS = frozenset({MT.TASK_REQUEST, MT.DRAIN})
 
 # An answered transmission leaves the ack-deadline index (the sweep costs what is due).
 ANSWERED = {"ack_deadline_at": None}
@@ -78,6 +93,7 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
     counts = result.counts
     rows: list[ReceivedRow] = []
     heartbeats: list[tuple[str, protocol.Envelope]] = []
+    rejected: list[protocol.Rejection] = []  # requests to us the decoder refused
     for item in batch:
         match = protocol.parse_topic(prefix, item.topic)
         if match is None:
@@ -88,6 +104,12 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
         if isinstance(env, protocol.Rejection):
             counts[f"rejected:{env.reason.value}"] += 1
             _log_once_a_minute(env.reason.value, f"on {item.topic[:200]}: {env.detail}")
+            # A request to us that names itself and a valid origin is told why (PROTOCOL.md:
+            # a refusal is answered, not silent).
+            if (match.kind == "inbox" and match.node_id == node_id
+                    and env.message_type in REQUESTS and env.message_id
+                    and env.origin_node_id and env.origin_node_id != node_id):
+                rejected.append(env)
             continue
         if _is_self(env, node_id):
             counts["dropped_self"] += 1
@@ -108,9 +130,14 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
         with transaction.atomic():
             for hb_node, env in heartbeats:
                 _heartbeat(hb_node, env, now=now, counts=counts)
+    # Before the batch, in transactions of their own: a DRAIN takes roster locks, which the
+    # batch must not take while it holds message rows (messages/load.py, the lock order).
+    # Its answer is written by the batch, so it leaves only after the drain committed.
+    drains = _drains_apply(rows, now=now, counts=counts)
     claims: list[tuple[str, str]] = []
     try:
-        _ingest_rows(rows, node_id=node_id, now=now, result=result, claims=claims)
+        _ingest_rows(rows, node_id=node_id, now=now, result=result, claims=claims,
+                     rejected=rejected, drains=drains)
     except BaseException:
         idempotency_release(node_id=node_id, claims=claims)
         raise
@@ -134,8 +161,9 @@ def _reroute(pk: int, *, now: datetime, result: IngestResult) -> None:
 
 
 def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result: IngestResult,
-                 claims: list[tuple[str, str]]) -> None:
-    if not rows:
+                 claims: list[tuple[str, str]], rejected: list[protocol.Rejection],
+                 drains: dict[str, DrainAnswer]) -> None:
+    if not rows and not rejected:
         return
     counts = result.counts
     with transaction.atomic():
@@ -144,21 +172,45 @@ def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result
         counts["duplicate_message_id"] += len(rows) - len(fresh)
         counts["stored"] += len(fresh)
         result.stored = len(fresh)
-        events: list[dict] = []
-        for row in fresh:
-            events += message_events(row, previous="")
-        changes: list[Change] = []
         replies: list[Message] = []
-        for row in duplicates:
-            counts["duplicate_idempotency_key"] += 1
+        inserted = {id(row) for row in fresh}
+        # PROTOCOL.md rule 3: a repeated idempotency key, or a repeated messageId, is not run
+        # again and is answered ACK `duplicate: true`.
+        counts["duplicate_idempotency_key"] += len(duplicates)
+        for row in duplicates + [r for r in rows if id(r) not in inserted
+                                 and r.direction == Direction.RECV
+                                 and r.message_type in REQUESTS]:
             ack = reply_row(to=row, message_type=MT.ACK, payload={"duplicate": True}, now=now,
                             extra_headers={"ackFor": row.message_id})
             if ack:
                 replies.append(ack)
+        for rejection in rejected:
+            nack = rejection_reply_row(rejection=rejection, now=now)
+            if nack:
+                counts["rejected_nacked"] += 1
+                replies.append(nack)
+        acts = _Acts(now=now, drains=drains)
         for row in fresh:
-            _act(row, changes=changes, replies=replies, now=now)
+            _act(row, acts)
+        if acts.unclaim:
+            transaction.on_commit(lambda: idempotency_release(node_id=node_id,
+                                                              claims=acts.unclaim))
+        replies += acts.replies
+        changes = acts.changes
         _retry_retryable_nacks(changes, now=now)
         applied = changes_apply(changes, now=now)
+        refused = _answers_refused(applied.refused, acts.answers, counts=counts)
+        for response in acts.responses:
+            # A response is acknowledged as received, even a late one (its sender stops
+            # resending it); one that was refused is not: it was not accepted.
+            if response.pk not in refused:
+                ack = reply_row(to=response, message_type=MT.ACK, payload={}, now=now,
+                                extra_headers={"ackFor": response.message_id})
+                if ack:
+                    replies.append(ack)
+        events: list[dict] = []
+        for row in fresh:
+            events += message_events(row, previous="")
         events += applied.events
         counts["stale_answers"] += applied.skipped
         result.busy += [m.pk for m in applied.messages
@@ -172,6 +224,22 @@ def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result
             events += message_events(reply, previous="")
         result.to_publish += [reply.pk for reply in sent]
         events_on_commit(events)
+
+
+def _answers_refused(refused: list[tuple[Change, str, str]], answers: dict[int, ReceivedRow],
+                     *, counts: Counter) -> set[int]:
+    """Answers that may not move their request: counted by reason, and the reason written on
+    the answer's own row, where its trace shows it. Returns their primary keys."""
+    if not refused:
+        return set()
+    marked: list[Message] = []
+    for change, code, words in refused:
+        counts[f"answer_refused:{code}"] += 1
+        row = answers[id(change)]
+        row.error = f"not accepted, changed nothing: {words}"
+        marked.append(Message(pk=row.pk, error=row.error))
+    Message.objects.bulk_update(marked, ["error"])
+    return {row.pk for row in marked}
 
 
 def _retry_retryable_nacks(changes: list[Change], *, now: datetime) -> None:
@@ -220,15 +288,41 @@ def _split_duplicates(rows: list[ReceivedRow], *, node_id: str, claims: list[tup
     return duplicates, keep
 
 
-def _act(row: ReceivedRow, *, changes: list[Change], replies: list[Message], now: datetime) -> None:
+@dataclass
+class _Acts:
+    """What acting on a batch's fresh rows produces: status changes, our replies, responses
+    to acknowledge once their fate is known, and which stored answer each answer change
+    came from."""
+
+    now: datetime
+    drains: dict[str, DrainAnswer]
+    changes: list[Change] = field(default_factory=list)
+    replies: list[Message] = field(default_factory=list)
+    responses: list[ReceivedRow] = field(default_factory=list)
+    answers: dict[int, ReceivedRow] = field(default_factory=dict)
+    # Idempotency keys of refused requests, given back once the refusal is committed: the
+    # sender's corrected request (same key, now with a replyNodeId) must run, not be taken
+    # for a duplicate of work that never ran.
+    unclaim: list[tuple[str, str]] = field(default_factory=list)
+
+    def answer(self, row: ReceivedRow, change: Change) -> None:
+        change.heard = Heard(origin_node_id=row.origin_node_id,
+                             heard_on=protocol.inbox_node_of(row.topic), direction=row.direction)
+        self.answers[id(change)] = row
+        self.changes.append(change)
+
+
+def _act(row: ReceivedRow, acts: _Acts) -> None:
     kind = row.message_type
+    now = acts.now
     headers = row.headers or {}
-    payload = row.payload if isinstance(row.payload, dict) else {}
+    payload = row.wire_payload if isinstance(row.wire_payload, dict) else {}
     ack_for = headers.get("ackFor") if isinstance(headers.get("ackFor"), str) else None
     if kind == MT.ACK and ack_for:
-        changes.append(Change(message_id=ack_for, to=Status.ACKED,
-                              reason="ACK" + (" (duplicate)" if payload.get("duplicate") else ""),
-                              actor="bridge", fields={"acked_at": now, **ANSWERED}))
+        acts.answer(row, Change(message_id=ack_for, to=Status.ACKED,
+                                reason="ACK" + (" (duplicate)" if payload.get("duplicate")
+                                                else ""),
+                                actor="bridge", fields={"acked_at": now, **ANSWERED}))
     elif kind == MT.NACK and ack_for:
         reason = str(payload.get("reason") or "refused by the receiver")[:2000]
         retry = "retryable" if payload.get("retryable") is True else "not retryable"
@@ -237,54 +331,163 @@ def _act(row: ReceivedRow, *, changes: list[Change], replies: list[Message], now
                         reason=f"NACK ({retry}): {reason}", actor="bridge",
                         fields={"error": error, "finished_at": now, **ANSWERED})
         nacked.retryable = retry == "retryable"
-        changes.append(nacked)
+        acts.answer(row, nacked)
     elif kind == MT.BUSY and ack_for:
-        changes.append(Change(message_id=ack_for, to=Status.BUSY,
-                              reason="BUSY: the receiver's queue is full", actor="bridge",
-                              fields={"error": "the receiver's queue was full (BUSY)",
-                                      **ANSWERED}))
+        acts.answer(row, Change(message_id=ack_for, to=Status.BUSY,
+                                reason="BUSY: the receiver's queue is full", actor="bridge",
+                                fields={"error": "the receiver's queue was full (BUSY)",
+                                        **ANSWERED}))
     elif kind == MT.TASK_RESPONSE and row.in_reply_to:
         ok = payload.get("ok", True) is not False
-        error = "" if ok else f"the task failed: {str(payload.get('error'))[:2000]}"
-        changes.append(Change(message_id=row.in_reply_to,
-                              to=Status.COMPLETED if ok else Status.TASK_ERROR,
-                              reason="TASK_RESPONSE", actor="bridge",
-                              fields={"finished_at": now, "error": error, **ANSWERED}))
+        error = "" if ok else f"the task failed: {str(redacted(payload.get('error')))[:2000]}"
+        acts.answer(row, Change(message_id=row.in_reply_to,
+                                to=Status.COMPLETED if ok else Status.TASK_ERROR,
+                                reason="TASK_RESPONSE", actor="bridge",
+                                fields={"finished_at": now, "error": error, **ANSWERED}))
         if row.direction == Direction.RECV:
-            ack = reply_row(to=row, message_type=MT.ACK, payload={}, now=now,
-                            extra_headers={"ackFor": row.message_id})
-            if ack:
-                replies.append(ack)
-    elif kind == MT.TASK_REQUEST and row.direction == Direction.RECV:
-        _request_to_console(row, changes=changes, replies=replies, now=now)
-    elif kind == MT.DRAIN and row.direction == Direction.RECV:
-        ack = reply_row(to=row, message_type=MT.ACK, payload={}, now=now,
-                        extra_headers={"ackFor": row.message_id})
-        if ack:
-            replies.append(ack)
+            acts.responses.append(row)
+    elif kind in REQUESTS and row.direction == Direction.RECV:
+        if not row.reply_node_id:
+            _refuse(row, NO_REPLY_NODE, acts)
+        elif kind == MT.TASK_REQUEST:
+            _request_to_console(row, acts)
+        else:
+            _drain_answer(row, acts)
 
 
-def _request_to_console(row: ReceivedRow, *, changes: list[Change], replies: list[Message],
-                        now: datetime) -> None:
+NO_REPLY_NODE = ("not run: the request has no headers.replyNodeId, so no answer could reach "
+                 "its sender; set replyNodeId to the node that should hear the answer")
+
+
+def _refuse(row: ReceivedRow, reason: str, acts: _Acts) -> None:
+    """Refuse a request to the console: NACK, not retryable, to its reply node (or, when it
+    named none, its origin node), and the refusal recorded on its row either way."""
+    to_node = row.reply_node_id or row.origin_node_id
+    nack = reply_row(to=row, message_type=MT.NACK, now=acts.now, to_node=to_node,
+                     extra_headers={"ackFor": row.message_id},
+                     payload={"reason": reason, "retryable": False})
+    if nack:
+        acts.replies.append(nack)
+    if row.message_type == MT.TASK_REQUEST and row.idempotency_key:
+        acts.unclaim.append((row.idempotency_key, row.message_id))
+    error = reason if nack else f"{reason} (no NACK sent: it named no reply or origin node)"
+    acts.changes.append(Change(pk=row.pk, to=Status.NACKED, allowed=frozenset({Status.RECV}),
+                               reason=f"refused: {error}", actor="bridge",
+                               fields={"error": error, "finished_at": acts.now}))
+
+
+def _request_to_console(row: ReceivedRow, acts: _Acts) -> None:
     handler = LOCAL_HANDLERS.get(row.to_agent_id)
-    ack_headers = {"ackFor": row.message_id}
     if handler is None:
-        nack = reply_row(to=row, message_type=MT.NACK, now=now, extra_headers=ack_headers,
-                         payload={"reason": f"node {settings.REACH_NODE_ID} hosts no agent "
-                                  f"{row.to_agent_id or '(none named)'}", "retryable": False})
-        if nack:
-            replies.append(nack)
+        _refuse(row, f"node {settings.REACH_NODE_ID} hosts no agent "
+                f"{row.to_agent_id or '(none named)'}", acts)
         return
+    now = acts.now
     # Consumed here and only here: this row was just inserted, so no other path has it.
-    changes.append(Change(pk=row.pk, to=Status.LOCAL_CONSUMED, allowed=frozenset({Status.RECV}),
-                          reason="handled by the console", actor="bridge",
-                          fields={"finished_at": now}))
-    ack = reply_row(to=row, message_type=MT.ACK, payload={}, now=now, extra_headers=ack_headers)
+    acts.changes.append(Change(pk=row.pk, to=Status.LOCAL_CONSUMED,
+                               allowed=frozenset({Status.RECV}), reason="handled by the console",
+                               actor="bridge", fields={"finished_at": now}))
+    ack = reply_row(to=row, message_type=MT.ACK, payload={}, now=now,
+                    extra_headers={"ackFor": row.message_id})
     try:
-        response_payload = {"ok": True, "result": handler(row.payload)}
+        response_payload = {"ok": True, "result": handler(row.wire_payload)}
     except Exception as exc:  # a handler's failure is the task's answer, not the bridge's
-        log.exception("local handler %s failed", row.to_agent_id)
+        log.exception("local handler %s failed", row.to_agent_id, extra=row_log_fields(row))
         response_payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    # The response waits in the outbox until the broker has taken the ACK (the bridge makes
+    # it due then): the requester hears ACK, then TASK_RESPONSE, whichever bridge publishes
+    # which (PROTOCOL.md: ACK when accepted, then TASK_RESPONSE).
     response = reply_row(to=row, message_type=MT.TASK_RESPONSE, payload=response_payload,
-                         now=now, extra_headers={"inReplyTo": row.message_id})
-    replies += [r for r in (ack, response) if r]
+                         now=now, extra_headers={"inReplyTo": row.message_id}, due=ack is None)
+    acts.replies += [r for r in (ack, response) if r]
+
+
+# --- DRAIN: a node asks the console to drain agents it hosts -------------------------------
+
+MAX_DRAIN_AGENTS = 1000
+DRAIN_AGENT_IDS = ('payload.agentIds must be a list of 1 to {limit} agent ids, e.g. '
+                   '["fin.tax"]; got {got}')
+DRAIN_NO_ORIGIN = ("not done: a DRAIN needs headers.originNodeId, the node whose agents to "
+                   "drain (a node drains only the agents it hosts)")
+
+
+@dataclass(frozen=True, slots=True)
+class DrainAnswer:
+    """How a DRAIN was answered: ACK when at least one agent is draining now, else NACK."""
+
+    message_type: str
+    payload: dict
+    words: str
+
+
+def _drains_apply(rows: list[ReceivedRow], *, now: datetime, counts: Counter
+                  ) -> dict[str, DrainAnswer]:
+    """Do what the batch's DRAINs to the console ask, each in the roster's own transaction,
+    and return how to answer each (by message id). A DRAIN already stored was done when it
+    first came: it is not done again, and is answered as a duplicate."""
+    asked = [r for r in rows if r.direction == Direction.RECV and r.message_type == MT.DRAIN
+             and r.reply_node_id]
+    if not asked:
+        return {}
+    seen = set(Message.objects.filter(message_id__in=[r.message_id for r in asked])
+               .values_list("message_id", flat=True))
+    answers: dict[str, DrainAnswer] = {}
+    for row in asked:
+        if row.message_id not in seen and row.message_id not in answers:
+            answers[row.message_id] = _drain(row, now=now)
+            counts[f"drains:{answers[row.message_id].message_type.lower()}"] += 1
+    return answers
+
+
+def _drain(row: ReceivedRow, *, now: datetime) -> DrainAnswer:
+    if not row.origin_node_id:
+        return _drain_refused(DRAIN_NO_ORIGIN)
+    payload = row.wire_payload if isinstance(row.wire_payload, dict) else {}
+    raw = payload.get("agentIds")
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_DRAIN_AGENTS:
+        got = protocol.describe(raw) if "agentIds" in payload else "none"
+        return _drain_refused(DRAIN_AGENT_IDS.format(limit=MAX_DRAIN_AGENTS, got=got))
+    agent_ids = []
+    for index, value in enumerate(raw):
+        try:
+            agent_ids.append(agent_id_parse(value).agent_id)
+        except RosterError as exc:
+            return _drain_refused(f"payload.agentIds[{index}]: {exc.detail}")
+    done = agents_drain_for_node(node_id=row.origin_node_id, agent_ids=agent_ids,
+                                 actor=f"node:{row.origin_node_id}", now=now)
+    left: dict[str, Any] = {}
+    if done.unknown:
+        left["unknown"] = done.unknown
+    if done.elsewhere:
+        left["elsewhere"] = done.elsewhere
+    why = "; ".join(filter(None, [
+        done.unknown and f"not in the roster: {', '.join(done.unknown)}",
+        done.elsewhere and "on another node: " + ", ".join(
+            f"{a} (on {n})" for a, n in done.elsewhere.items()),
+    ]))
+    if not done.drained:
+        return _drain_refused(f"nothing drained: {why}", **left)
+    words = f"draining {', '.join(done.drained)}" + (f"; left alone, {why}" if why else "")
+    return DrainAnswer(MT.ACK, {"drained": done.drained, **left}, words)
+
+
+def _drain_refused(reason: str, **extra: Any) -> DrainAnswer:
+    return DrainAnswer(MT.NACK, {"reason": reason, "retryable": False, **extra}, reason)
+
+
+def _drain_answer(row: ReceivedRow, acts: _Acts) -> None:
+    answer = acts.drains.get(row.message_id)
+    if answer is None:  # stored meanwhile by another bridge, which answers it
+        return
+    reply = reply_row(to=row, message_type=answer.message_type, payload=answer.payload,
+                      now=acts.now, extra_headers={"ackFor": row.message_id})
+    if reply:
+        acts.replies.append(reply)
+    if answer.message_type == MT.ACK:
+        acts.changes.append(Change(pk=row.pk, to=Status.LOCAL_CONSUMED,
+                                   allowed=frozenset({Status.RECV}), actor="bridge",
+                                   reason=answer.words, fields={"finished_at": acts.now}))
+    else:
+        acts.changes.append(Change(pk=row.pk, to=Status.NACKED, allowed=frozenset({Status.RECV}),
+                                   actor="bridge", reason=f"refused: {answer.words}",
+                                   fields={"error": answer.words, "finished_at": acts.now}))

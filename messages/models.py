@@ -6,6 +6,8 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from messages.protocol import inbox_node_of
+
 
 class Direction(models.TextChoices):
     SEND = "SEND", "sent by the console"
@@ -58,7 +60,8 @@ _COMPLETED_FROM = _ANSWERED_FROM | {Status.ACKED, Status.RETRIED, Status.EXPIRED
 TRANSITIONS: dict[str, frozenset[str]] = {
     Status.PUBLISHED: frozenset({Status.SENT}),  # the broker's PUBACK
     Status.ACKED: _ANSWERED_FROM,
-    Status.NACKED: _ANSWERED_FROM,
+    # ... and a request to the console that the console refuses (RECV → NACKED).
+    Status.NACKED: _ANSWERED_FROM | {Status.RECV},
     Status.BUSY: _ANSWERED_FROM,  # a BUSY answer, or a send refused at once
     Status.RETRYING: _ANSWERED_FROM,  # no ACK in time, or a retryable NACK
     Status.COMPLETED: _COMPLETED_FROM,
@@ -149,6 +152,44 @@ class Message(models.Model):
     @property
     def is_failure(self) -> bool:
         return self.status in FAILURE_STATUSES
+
+    def answer_refusal(self, *, origin_node_id: str, heard_on: str, direction: str
+                       ) -> tuple[str, str] | None:
+        """Why an answer (ACK, NACK, BUSY, TASK_RESPONSE) may not move this request, as
+        (code, words), or None when it may: it must come on the requester's own inbox, from
+        the node the request was sent to (PROTOCOL.md "Message types"). A bus client cannot
+        complete a task it never received.
+
+        `origin_node_id` is the answer's headers.originNodeId ("" when absent), `heard_on`
+        the node whose inbox it came on, `direction` how the console heard it."""
+        if self.direction == Direction.RECV:
+            return ("not_ours", "it answers a request the console received; only the "
+                    "console answers those")
+        if self.direction == Direction.SEND:
+            if direction != Direction.RECV:
+                return ("wrong_inbox", f"it came on {heard_on}'s inbox, not on the console's, "
+                        "which sent the request")
+        else:
+            requester = self.reply_node_id or self.origin_node_id
+            if heard_on != requester:
+                return ("wrong_inbox", f"it came on {heard_on}'s inbox, not on that of "
+                        f"{requester or 'the requester (the request named no reply node)'}")
+        receiver = self.receiver_node_id
+        if not origin_node_id:
+            return ("no_origin", "it has no headers.originNodeId, so it cannot be told from "
+                    f"an answer by another node than {receiver or 'the receiver'}")
+        if origin_node_id != receiver:
+            return ("wrong_node", f"it came from node {origin_node_id}, but the request was "
+                    f"sent to {receiver or 'no node'}")
+        return None
+
+    @property
+    def receiver_node_id(self) -> str:
+        """The node a request went to: ours were routed there; one observed on the bus went
+        to the node whose inbox it was seen on, whatever its targetNodeId claims."""
+        if self.direction == Direction.OBSERVED:
+            return inbox_node_of(self.topic) or self.target_node_id
+        return self.target_node_id
 
 
 class Transition(models.Model):

@@ -12,7 +12,6 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
 from django.utils import timezone
 
 from directory.resolver import Resolution, is_local_agent, resolve, resolve_agent_node
@@ -30,7 +29,7 @@ from messages.models import (
     Transition,
 )
 from messages.outbox import outbox_wake
-from messages.rows import envelope_from_row, local_response_row, request_row
+from messages.rows import envelope_from_row, local_response_row, request_row, row_log_fields
 from messages.state import atomic_retrying
 from reachconsole.core.audit import audit_record
 from reachconsole.core.errors import ConsoleError
@@ -50,11 +49,12 @@ class SendRefused(ConsoleError):
     status = 422
 
 
-def _warn_once(agent_id: str, reason: str) -> None:
-    last = _warned.get(agent_id, 0.0)
+def _warn_once(row: Message, reason: str) -> None:
+    last = _warned.get(row.to_agent_id, 0.0)
     if time.monotonic() - last > WARN_EVERY_S:
-        _warned[agent_id] = time.monotonic()
-        log.warning("undeliverable to %s: %s", agent_id, reason)
+        _warned[row.to_agent_id] = time.monotonic()
+        log.warning("undeliverable to %s: %s", row.to_agent_id, reason,
+                    extra=row_log_fields(row))
 
 
 def undeliverable_reason(resolution: Resolution) -> str:
@@ -80,6 +80,9 @@ class SendRequest:
     idempotency_key: str | None = None
     attempt: int = 1
     resend_of: Message | None = None
+    # The namespaces the caller may reach (a service token bound to namespaces); None: any.
+    # Routing never looks outside them, and a resolution that lands outside is refused.
+    within: frozenset[str] | None = None
 
 
 CAPABILITY_PREFIX = "capability:"
@@ -94,15 +97,34 @@ def _resolve_target(request: SendRequest, now: datetime) -> tuple[str, Resolutio
         if not capability:
             raise SendRefused("name the capability: `capability:web_search`")
         resolution = route_capability(capability=capability, from_agent_id=request.from_agent_id,
-                                      unacked=loads_of, now=now)
+                                      unacked=loads_of, within=request.within, now=now)
         return resolution.agent_id or to, resolution
     if to.startswith("@"):
         resolution = resolve(mention=to, target_node_id=request.target_node_id,
-                             namespace=namespace_of(request.from_agent_id), now=now)
+                             namespace=namespace_of(request.from_agent_id),
+                             namespaces=request.within, now=now)
+        _refuse_outside(request, resolution.agent_id)  # never outside: resolve() keeps in
         return resolution.agent_id or to, resolution
     agent_id = agent_id_parse(to).agent_id
+    _refuse_outside(request, agent_id)
     return agent_id, resolve_agent_node(to_agent_id=agent_id,
                                         target_node_id=request.target_node_id or None, now=now)
+
+
+def _refuse_outside(request: SendRequest, agent_id: str | None) -> None:
+    """A caller bound to namespaces reaches nothing outside them, however it names the agent
+    (the agent is not named back: its existence is another namespace's business)."""
+    if request.within is None or agent_id is None:
+        return
+    if namespace_of(agent_id) not in request.within:
+        allowed = ", ".join(sorted(request.within)) or "none"
+        raise SendRefused(f"{request.to[:265]} is outside the namespaces this caller may reach "
+                          f"({allowed})", code="namespace_forbidden", status=403)
+
+
+def _visible(resolution: Resolution, within: frozenset[str] | None) -> list[dict]:
+    return [c.as_dict() for c in resolution.candidates
+            if within is None or namespace_of(c.agent_id) in within]
 
 
 def message_send(*, request: SendRequest, actor: str = "api", by: str = "",
@@ -134,7 +156,7 @@ def messages_send(*, requests: list[SendRequest], actor: str = "api", by: str = 
     resolved: dict[tuple, tuple[str, Resolution]] = {}
     for request in requests:
         try:
-            key = (request.to, request.target_node_id, request.from_agent_id)
+            key = (request.to, request.target_node_id, request.from_agent_id, request.within)
             if key not in resolved:
                 resolved[key] = _resolve_target(request, now)
             to_agent_id, resolution = resolved[key]
@@ -180,8 +202,10 @@ def _prepared_row(request: SendRequest, to_agent_id: str, resolution: Resolution
     row = _request_row(request, to_agent_id=to_agent_id, now=now)
     row.resolution = {
         "target": request.to, "level": resolution.level, "match": resolution.match,
-        "reason": resolution.reason, "candidates": [c.as_dict() for c in resolution.candidates],
+        "reason": resolution.reason, "candidates": _visible(resolution, request.within),
     }
+    if request.within is not None:  # retries and resends of this task stay inside them
+        row.resolution["within"] = sorted(request.within)
     return row
 
 
@@ -257,7 +281,7 @@ def _dispatch(row: Message, resolution: Resolution, capacities: Capacities, *, a
         return _consume_locally(row, now=now, actor=actor)
     if not resolution.ok:
         reason = undeliverable_reason(resolution)
-        _warn_once(row.to_agent_id, resolution.reason)
+        _warn_once(row, resolution.reason)
         return _move(row, Status.UNDELIVERABLE, reason=reason, actor=actor, now=now,
                      error=reason, finished_at=now)
     row.target_node_id = resolution.node_id
@@ -282,7 +306,8 @@ def messages_send_group(*, group: str, request: SendRequest, actor: str = "api",
     so each member's delivery is tracked on its own."""
     now = now or timezone.now()
     label = f"#{group.lstrip('#')}"
-    members = group_members(group=label, from_agent_id=request.from_agent_id, now=now)
+    members = group_members(group=label, from_agent_id=request.from_agent_id,
+                            within=request.within, now=now)
     live = [m for m in members if m.routable]
     task_id = request.task_id or f"task-{uuid.uuid4()}"
     candidates = [m.as_dict() for m in members]
@@ -297,9 +322,7 @@ def messages_send_group(*, group: str, request: SendRequest, actor: str = "api",
                                          outcome="not_found")))
     for member in live:
         # Each member executes its own copy: its own idempotency key within the task.
-        member_key = f"{task_id}:{member.agent_id}"
-        if len(member_key) > 200:  # the column's size; a digest keeps it unique per member
-            member_key = f"{task_id[:100]}:{hashlib.sha256(member_key.encode()).hexdigest()}"
+        member_key = _member_key(task_id, member.agent_id)
         row = _request_row(replace(request, task_id=task_id, idempotency_key=member_key),
                            to_agent_id=member.agent_id, now=now)
         row.resolution = {"target": label, "level": "group", "reason": f"member of {label}",
@@ -307,6 +330,13 @@ def messages_send_group(*, group: str, request: SendRequest, actor: str = "api",
         prepared.append((row, Resolution(member.agent_id, member.node_id, "group", "member",
                                          [member])))
     return atomic_retrying(lambda: _send_and_publish(prepared, actor=actor, by=by, now=now))
+
+
+def _member_key(base: str, agent_id: str) -> str:
+    key = f"{base}:{agent_id}"
+    if len(key) > 200:  # the column's size; a digest keeps it unique per member
+        key = f"{base[:100]}:{hashlib.sha256(key.encode()).hexdigest()}"
+    return key
 
 
 @dataclass
@@ -341,14 +371,17 @@ def message_next_attempt(
                     .values_list("to_agent_id", flat=True))
         resolution = route_capability(capability=target[len(CAPABILITY_PREFIX):],
                                       from_agent_id=previous.from_agent_id, exclude=tried,
-                                      unacked=loads_of, now=now)
+                                      unacked=loads_of, within=request.within, now=now)
         to_agent_id = resolution.agent_id or target
     elif target.startswith("#"):
         # A group member's retry goes to the same member.
         resolution = resolve_agent_node(to_agent_id=previous.to_agent_id, now=now)
         to_agent_id = previous.to_agent_id
     else:
-        to_agent_id, resolution = _resolve_target(request, now)
+        try:
+            to_agent_id, resolution = _resolve_target(request, now)
+        except ConsoleError as exc:  # refused outright: the attempt ends, with the words
+            return NextAttempt(None, why=exc.detail, code=exc.code)
     if not resolution.ok:
         return NextAttempt(None, why=resolution.reason, code=NOT_RESOLVED)
     try:
@@ -394,67 +427,140 @@ def _consume_locally(row: Message, *, now: datetime, actor: str) -> list[dict]:
     row.target_node_id = settings.REACH_NODE_ID
     events = _move(row, Status.LOCAL_CONSUMED, reason="handled by the console", actor=actor,
                    now=now, finished_at=now, target_node_id=row.target_node_id)
-    response = local_response_row(request=row, result=handler(row.payload), now=now)
+    try:
+        payload = {"ok": True, "result": handler(row.payload)}
+    except Exception as exc:  # a handler's failure is the task's answer, not the sender's
+        log.exception("local handler %s failed", row.to_agent_id)
+        payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    response = local_response_row(request=row, payload=payload, now=now)
     response.save(force_insert=True)
     return events + message_events(response, previous="")
 
 
-def message_resend(*, message_id: str, by: str, new_idempotency_key: bool = False,
-                   now: datetime | None = None) -> Message:
-    """An operator's new transmission of a failed send's task: new message id, the same task
-    id, the same idempotency key (receivers de-duplicate it) unless a re-execution is asked
-    for, resolved afresh by the directory, linked with resend_of, under the storm guard.
-    Audited, whether it is done or refused."""
-    try:
-        with transaction.atomic():
-            row = _resend(message_id=message_id, by=by, new_idempotency_key=new_idempotency_key,
-                          now=now)
-            # In the resend's own transaction: no resend without its audit row.
+def messages_resend(*, message_ids: list[str], by: str, new_idempotency_key: bool = False,
+                    within: frozenset[str] | None = None, note: str = "",
+                    now: datetime | None = None) -> list[Message]:
+    """An operator's new transmission of failed sends' tasks: new message ids, the same task
+    ids, the same idempotency keys (receivers de-duplicate them) unless a re-execution is
+    asked for, resolved afresh by the directory inside `within`, linked with resend_of,
+    under the storm guard.
+
+    All or nothing: when one of them cannot be resent, none is, and the refusal says which
+    and why. A group send that reached no member goes to every member the group has now.
+    Audited, one row a message (and one for the batch), whether done or refused."""
+    ids = list(dict.fromkeys(message_ids))
+    if not ids:
+        raise SendRefused("name at least one message to resend", code="nothing_to_resend")
+    batch = f"{len(ids)} messages" if len(ids) > 1 else ids[0]
+
+    def resend() -> list[Message]:
+        requests = _resend_requests(message_ids=ids, new_idempotency_key=new_idempotency_key,
+                                    within=within, now=now or timezone.now())
+        rows = messages_send(requests=requests, actor="operator", by=by, now=now).rows
+        # In the resend's own transaction: no resend without its audit rows.
+        made: dict[str, list[str]] = {}
+        for row in rows:
+            made.setdefault(row.resend_of.message_id, []).append(f"{row.message_id} "
+                                                                   f"({row.status})")
+        rekeyed = ("; new idempotency key: the work may run again"
+                   if new_idempotency_key else "")
+        for message_id in ids:
             audit_record(actor=by, action="resend", target=message_id,
-                         detail=f"as {row.message_id} ({row.status})"
-                         + ("; new idempotency key: the work may run again"
-                            if new_idempotency_key else ""))
-    except SendRefused as exc:
+                         detail=f"as {', '.join(made.get(message_id, []))}{rekeyed}")
+        if len(ids) > 1:
+            audit_record(actor=by, action="resend-bulk", target=batch,
+                         detail=f"resent {len(ids)} as {len(rows)} new transmissions{rekeyed}"
+                         + (f"; {note}" if note else ""))
+        return rows
+
+    try:
+        return atomic_retrying(resend)
+    except ConsoleError as exc:
         # Nothing was written: the refusal is recorded on its own.
-        audit_record(actor=by, action="resend", target=message_id, result="refused",
-                     detail=exc.detail)
+        audit_record(actor=by, action="resend-bulk" if len(ids) > 1 else "resend",
+                     target=batch, result="refused",
+                     detail=exc.detail + (f"; {note}" if note else ""))
+        if len(ids) > 1:
+            exc.detail = f"nothing was resent: {exc.detail}"
         raise
-    return row
 
 
-def _resend(*, message_id: str, by: str, new_idempotency_key: bool,
-            now: datetime | None) -> Message:
-    previous = (Message.objects.filter(message_id=message_id, direction=Direction.SEND,
-                                       message_type=protocol.MessageType.TASK_REQUEST).first())
-    if previous is None:
-        raise SendRefused(f"no sent task request {message_id[:200]} is recorded",
-                          code="message_not_found", status=404)
-    if previous.status not in RESENDABLE_STATUSES:
-        allowed = ", ".join(sorted(RESENDABLE_STATUSES))
-        raise SendRefused(f"{message_id} is {previous.status}; only {allowed} messages are "
-                          "resent (the others are still under way or done)",
-                          code="not_resendable", status=409)
+def _resend_requests(*, message_ids: list[str], new_idempotency_key: bool,
+                     within: frozenset[str] | None, now: datetime) -> list[SendRequest]:
+    found = {m.message_id: m for m in Message.objects.filter(
+        message_id__in=message_ids, direction=Direction.SEND,
+        message_type=protocol.MessageType.TASK_REQUEST)}
+    requests: list[SendRequest] = []
+    for message_id in message_ids:
+        previous = found.get(message_id)
+        if previous is None:
+            raise SendRefused(f"no sent task request {message_id[:200]} is recorded",
+                              code="message_not_found", status=404)
+        _refuse_foreign(previous, within)
+        if previous.status not in RESENDABLE_STATUSES:
+            allowed = ", ".join(sorted(RESENDABLE_STATUSES))
+            raise SendRefused(f"{message_id} is {previous.status}; only {allowed} messages are "
+                              "resent (the others are still under way or done)",
+                              code="not_resendable", status=409)
+        requests += _requests_again(previous, new_idempotency_key=new_idempotency_key,
+                                    within=within, now=now)
+    return requests
+
+
+def _refuse_foreign(previous: Message, within: frozenset[str] | None) -> None:
+    """A caller bound to namespaces resends only what its namespaces sent or were sent: the
+    resend speaks as the original sender."""
+    if within is None:
+        return
+    agents = [previous.from_agent_id]
+    if not previous.to_agent_id.startswith(("#", "@", CAPABILITY_PREFIX)):
+        agents.append(previous.to_agent_id)
+    touched = {namespace_of(a) for a in agents} - {None}
+    if not touched or not touched <= within:
+        raise SendRefused(f"{previous.message_id} belongs to namespaces this caller is not bound "
+                          f"to (it may reach {', '.join(sorted(within)) or 'none'})",
+                          code="namespace_forbidden", status=403)
+
+
+def _requests_again(previous: Message, *, new_idempotency_key: bool,
+                    within: frozenset[str] | None, now: datetime) -> list[SendRequest]:
     key = (f"{previous.task_id[:180]}:re-{uuid.uuid4().hex[:8]}" if new_idempotency_key
            else previous.idempotency_key)
-    request = _request_again(previous, attempt=1, idempotency_key=key)
-    if request.to.startswith("#"):  # one member of a group: that member again
-        request = replace(request, to=previous.to_agent_id)
-    return message_send(request=request, actor="operator", by=by, now=now)
+    request = _request_again(previous, attempt=1, idempotency_key=key, within=within)
+    if not request.to.startswith("#"):
+        return [request]
+    if not previous.to_agent_id.startswith("#"):  # one member of a group: that member again
+        return [replace(request, to=previous.to_agent_id)]
+    # The group had no member that could take work then: each member it has now.
+    members = [m for m in group_members(group=request.to, from_agent_id=previous.from_agent_id,
+                                        within=request.within, now=now) if m.routable]
+    if not members:
+        raise SendRefused(f"{previous.message_id} went to group {request.to}, which still has "
+                          "no member that can take work: register or wake a member first",
+                          code="no_member", status=409)
+    base = key if new_idempotency_key else previous.task_id
+    return [replace(request, to=m.agent_id, idempotency_key=_member_key(base, m.agent_id))
+            for m in members]
 
 
 def _target_of(message: Message) -> str:
     return (message.resolution or {}).get("target") or message.to_agent_id
 
 
-def _request_again(previous: Message, *, attempt: int, idempotency_key: str) -> SendRequest:
+def _request_again(previous: Message, *, attempt: int, idempotency_key: str,
+                   within: frozenset[str] | None = None) -> SendRequest:
     """The same task as `previous`, to the same target (an explicit node stays explicit;
-    anything else is resolved afresh), linked to it."""
+    anything else is resolved afresh), linked to it, inside the namespaces the task was
+    bound to and `within`."""
     explicit = (previous.resolution or {}).get("level") == "explicit"
+    bound = (previous.resolution or {}).get("within")
+    if bound is not None:
+        within = frozenset(bound) if within is None else within & frozenset(bound)
     return SendRequest(
         to=_target_of(previous), payload=previous.payload, task_id=previous.task_id,
         target_node_id=previous.target_node_id if explicit else None,
         from_agent_id=previous.from_agent_id, timeout_ms=previous.headers.get("timeoutMs"),
         conversation_id=previous.conversation_id, scene_group_id=previous.scene_group_id,
         session_id=previous.session_id, idempotency_key=idempotency_key, attempt=attempt,
-        resend_of=previous,
+        resend_of=previous, within=within,
     )

@@ -27,7 +27,7 @@ from django.conf import settings
 from django.db import connection, connections, transaction
 from django.utils import timezone
 
-from messages.models import Message, Status
+from messages.models import Direction, Message, Status
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,17 @@ def outbox_defer(*, pks: list[int], until: datetime) -> None:
     `until`, for any bridge. Backpressure, not a failure: they stay SENT."""
     if pks:
         Message.objects.filter(pk__in=pks, status=Status.SENT).update(publish_at=until)
+
+
+def outbox_release_responses(*, request_ids: list[str], now: datetime) -> int:
+    """Due now: the console agents' responses to these requests, which waited until the
+    broker had taken the ACK before them (messages/inbound.py), so that whichever bridge
+    publishes them, the requester hears the ACK first. Returns how many."""
+    if not request_ids:
+        return 0
+    return Message.objects.filter(
+        in_reply_to__in=request_ids, message_type="TASK_RESPONSE", direction=Direction.SEND,
+        status=Status.SENT, publish_at__isnull=True).update(publish_at=now)
 
 
 class OutboxListener:

@@ -18,7 +18,7 @@ import math
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from reachconsole.core.jsonsafe import WORDS, unstorable
@@ -69,6 +69,13 @@ class PayloadTooLarge(ValueError):
 class Rejection:
     reason: Reject
     detail: str
+    # Known once the envelope's shape was read (a rejection for a value inside it): what the
+    # message was and which node sent it, so a refused request can be answered. The origin
+    # is set only when it is a valid node id: a reply never goes to a topic built from a
+    # hostile one.
+    message_id: str | None = None
+    message_type: MessageType | None = None
+    origin_node_id: str | None = None
 
 
 # (attribute, wire name) of the optional string fields, in wire order.
@@ -182,6 +189,11 @@ def _describe(value: Any) -> str:
             text = "a very long number"
         return f"the number {text[:40]}"
     return type(value).__name__
+
+
+def describe(value: Any) -> str:
+    """A value received, named for the words of a refusal (never the whole value)."""
+    return _describe(value)
 
 
 def _reject_constant(name: str) -> Any:
@@ -305,6 +317,28 @@ def _decode(data: Any, max_bytes: int) -> Envelope | Rejection:
             f"{_describe(raw_type)}; expected one of {_TYPE_NAMES}",
         )
 
+    result = _decode_fields(text, doc, message, message_id, message_type, version)
+    if isinstance(result, Rejection):
+        return replace(result, message_id=_answerable_id(message_id), message_type=message_type,
+                       origin_node_id=_answerable_origin(message.get("headers")))
+    return result
+
+
+def _answerable_id(message_id: str) -> str | None:
+    # An id the console cannot store could not be named in an answer's ackFor either.
+    return None if unstorable(message_id, "messageId") else message_id
+
+
+def _answerable_origin(headers: Any) -> str | None:
+    origin = headers.get("originNodeId") if isinstance(headers, dict) else None
+    try:
+        return validate_node_id(origin)
+    except ValueError:
+        return None
+
+
+def _decode_fields(text: str, doc: dict, message: dict, message_id: str,
+                   message_type: MessageType, version: str) -> Envelope | Rejection:
     fields: dict[str, Any] = {}
     for attr, wire in _OPTIONAL_STR_FIELDS:
         value = message.get(wire)
@@ -521,6 +555,15 @@ def inbox_wildcard(prefix: str) -> str:
 
 def heartbeat_wildcard(prefix: str) -> str:
     return f"{_validate_prefix(prefix)}/heartbeat/+"
+
+
+def inbox_node_of(topic: str) -> str:
+    """The node whose inbox `topic` is (`…/node/{nodeId}/inbox`), or "" for another topic.
+    For a topic already taken apart by parse_topic, when its prefix is not at hand."""
+    levels = topic.split("/")
+    if len(levels) >= 4 and levels[-1] == "inbox" and levels[-3] == "node":
+        return levels[-2]
+    return ""
 
 
 def parse_topic(prefix: str, topic: str) -> TopicMatch | None:

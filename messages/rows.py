@@ -14,6 +14,7 @@ from django.conf import settings
 
 from messages import protocol
 from messages.models import Direction, Message, Status
+from reachconsole.core.logs import log_fields
 
 
 def envelope_from_row(message: Message) -> protocol.Envelope:
@@ -61,11 +62,13 @@ def request_row(*, request: Any, to_agent_id: str, now: datetime) -> Message:
 
 
 def reply_row(*, to: Any, message_type: str, payload: Any, now: datetime,
-              extra_headers: dict | None = None) -> Message | None:
-    """An ACK/NACK/TASK_RESPONSE answering `to`, addressed to its reply node; None when the
-    sender left no way to answer (no replyNodeId)."""
+              extra_headers: dict | None = None, to_node: str | None = None,
+              due: bool = True) -> Message | None:
+    """An ACK/NACK/TASK_RESPONSE answering `to`, addressed to its reply node (or `to_node`);
+    None when the sender left no way to answer (no replyNodeId). A row not `due` waits in
+    the outbox until something makes it due (a response waits for its ACK: bridge.py)."""
     node_id = settings.REACH_NODE_ID
-    reply_node = to.reply_node_id or ""
+    reply_node = to_node if to_node is not None else (to.reply_node_id or "")
     if not reply_node:
         return None
     headers = {"originNodeId": node_id, "replyNodeId": node_id, **(extra_headers or {})}
@@ -82,12 +85,27 @@ def reply_row(*, to: Any, message_type: str, payload: Any, now: datetime,
         created_at=now, updated_at=now,
         # Due in the outbox now; an answer the broker has not taken within the idempotency
         # window is of no use to its receiver any more, and ends FAILED there.
-        publish_at=now, deadline_at=now + timedelta(seconds=settings.REACH_IDEMPOTENCY_TTL_S),
+        publish_at=now if due else None,
+        deadline_at=now + timedelta(seconds=settings.REACH_IDEMPOTENCY_TTL_S),
     )
 
 
-def local_response_row(*, request: Message, result: Any, now: datetime) -> Message:
-    """The TASK_RESPONSE a console agent gives in-process to `request` (stored as received)."""
+def rejection_reply_row(*, rejection: protocol.Rejection, now: datetime) -> Message | None:
+    """The NACK (not retryable) that tells the origin of a request the decoder rejected why;
+    None unless the rejection names the message and a valid origin node."""
+    if not (rejection.message_id and rejection.origin_node_id):
+        return None
+    return reply_row(
+        to=Message(message_id=rejection.message_id), message_type=protocol.MessageType.NACK,
+        payload={"reason": f"rejected ({rejection.reason.value}): {rejection.detail}",
+                 "retryable": False},
+        now=now, extra_headers={"ackFor": rejection.message_id},
+        to_node=rejection.origin_node_id)
+
+
+def local_response_row(*, request: Message, payload: Any, now: datetime) -> Message:
+    """The TASK_RESPONSE a console agent gives in-process to `request` (stored as received):
+    `payload` is `{"ok": true, "result": …}` or `{"ok": false, "error": …}`."""
     node_id = settings.REACH_NODE_ID
     return Message(
         message_id=str(uuid.uuid4()), task_id=request.task_id,
@@ -97,7 +115,7 @@ def local_response_row(*, request: Message, result: Any, now: datetime) -> Messa
         to_agent_id=request.from_agent_id, target_node_id=node_id, origin_node_id=node_id,
         conversation_id=request.conversation_id, scene_group_id=request.scene_group_id,
         session_id=request.session_id, headers={"inReplyTo": request.message_id},
-        payload={"ok": True, "result": result}, in_reply_to=request.message_id,
+        payload=payload, in_reply_to=request.message_id,
         created_at=now, updated_at=now, finished_at=now,
     )
 
@@ -141,11 +159,17 @@ class ReceivedRow:
     next_attempt_at: datetime | None = None
     held: bool = False
     pk: int | None = None
+    # Not a column: the payload as it came, which the inbound rules read (an OBSERVED row
+    # may be stored without it).
+    wire_payload: object = None
 
 
 def received_row(env: protocol.Envelope, *, topic: str, direction: str, now: datetime
                  ) -> ReceivedRow:
-    """An inbound message as it is stored: RECV on our inbox, OBSERVED elsewhere."""
+    """An inbound message as it is stored: RECV on our inbox, OBSERVED elsewhere. Traffic
+    between other nodes is stored without its payload unless REACH_STORE_OBSERVED_PAYLOADS
+    (it is theirs, and the console never resends it); the console's own keep theirs."""
+    keep = direction != Direction.OBSERVED or settings.REACH_STORE_OBSERVED_PAYLOADS
     return ReceivedRow(
         message_id=env.message_id, task_id=(env.task_id or "")[:200],
         idempotency_key=env.idempotency_key[:200], message_type=env.message_type.value,
@@ -156,11 +180,18 @@ def received_row(env: protocol.Envelope, *, topic: str, direction: str, now: dat
         reply_node_id=(env.reply_node_id or "")[:128],
         conversation_id=(env.conversation_id or "")[:200],
         scene_group_id=(env.scene_group_id or "")[:200], session_id=(env.session_id or "")[:200],
-        topic=topic[:300], headers=env.headers, payload=env.payload, attempt=env.attempt,
+        topic=topic[:300], headers=env.headers, payload=env.payload if keep else None,
+        wire_payload=env.payload, attempt=env.attempt,
         # The message this one answers: a response's inReplyTo, an ACK/NACK/BUSY's ackFor.
         in_reply_to=(env.in_reply_to or env.ack_for or "")[:200], created_at=now,
         updated_at=now,
     )
+
+
+def row_log_fields(row: Any) -> dict[str, str]:
+    """`extra=` for a log line about this row (a model instance or a ReceivedRow)."""
+    return log_fields(message_id=row.message_id, task_id=row.task_id or "",
+                      agent=row.to_agent_id or "", node=row.target_node_id or "")
 
 
 def message_fields(row: Any) -> dict[str, Any]:

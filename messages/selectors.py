@@ -6,10 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-from django.db.models import Q, QuerySet
+from django.db.models import Count, Q, QuerySet, Sum
 from django.utils import timezone
 
-from messages.models import RESENDABLE_STATUSES, Direction, Message, Status
+from messages.models import (
+    OPEN_STATUSES,
+    RESENDABLE_STATUSES,
+    AgentLoad,
+    Direction,
+    Message,
+    Status,
+)
 
 SINCE_CHOICES = {"15": 15, "60": 60, "360": 360, "1440": 1440}
 
@@ -80,3 +87,21 @@ def task_requests(task_id: str) -> list[Message]:
 def task_response(row: Message) -> Message | None:
     return Message.objects.filter(in_reply_to=row.message_id,
                                   message_type="TASK_RESPONSE").first()
+
+
+def open_counts() -> dict[str, int]:
+    """How many rows have not ended yet, by status (the backlog, for /metrics). Exactly the
+    rows of the partial index `a2a_open_deadline` (an open row keeps its deadline; an answer
+    of ours leaves it once the broker has it, PUBLISHED being its end): a scrape costs what
+    is open, not what is stored."""
+    found = dict(Message.objects.filter(status__in=sorted(OPEN_STATUSES),
+                                        deadline_at__isnull=False).order_by()
+                 .values_list("status").annotate(n=Count("id")))
+    return {status: found.get(status, 0) for status in sorted(OPEN_STATUSES)}
+
+
+def load_totals() -> tuple[int, int]:
+    """Task requests in flight and held, over all agents: the kept counts
+    (messages/load.py), one row per agent rather than one per message."""
+    totals = AgentLoad.objects.aggregate(inflight=Sum("inflight"), held=Sum("held"))
+    return totals["inflight"] or 0, totals["held"] or 0

@@ -20,6 +20,7 @@ from django.db import OperationalError, connection, models, transaction
 from messages.events import message_events
 from messages.load import Deltas, slot_of
 from messages.models import TRANSITIONS, Message, Transition
+from messages.tally import ANSWERED, DeliveryTally
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -112,6 +113,19 @@ class Change:
     fields: dict[str, Any] = field(default_factory=dict)
     by: str = ""
     retryable: bool = False  # a NACK that allows another attempt
+    # An answer heard on the bus: it moves the row only if it came from the right node on
+    # the right inbox (Message.answer_refusal); otherwise it is refused, not skipped.
+    heard: Heard | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Heard:
+    """Where an answer came from: its headers.originNodeId ("" when absent), the node whose
+    inbox it came on, and how the console heard it (RECV or OBSERVED)."""
+
+    origin_node_id: str
+    heard_on: str
+    direction: str
 
 
 _ORDER = {"PUBLISHED": 0, "ACKED": 1, "NACKED": 2, "BUSY": 2, "RETRYING": 3, "COMPLETED": 4,
@@ -124,18 +138,23 @@ class Applied:
     events: list[dict] = field(default_factory=list)
     skipped: int = 0
     freed: set[str] = field(default_factory=set)  # agents with a slot more than before
+    # Answers that may not move their request: (change, code, words).
+    refused: list[tuple[Change, str, str]] = field(default_factory=list)
 
 
 def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
     """Apply status changes set-wise: one locked read and one update per kind of change.
 
     A change whose row is not (or no longer) in an allowed status is skipped: a late ACK
-    never turns a COMPLETED request back into ACKED, and two workers never both act. The
+    never turns a COMPLETED request back into ACKED, and two workers never both act. An
+    answer from the wrong node or on the wrong inbox is refused (`Applied.refused`), whatever
+    the row's status: judged on the rows the locked read fetches anyway, at no query more. The
     agents' kept in-flight and held counts move with the rows (messages/load.py), after the
     rows are locked: the lock order.
     """
     result = Applied()
     deltas = Deltas()
+    tally = DeliveryTally()
     groups: dict[tuple[str, frozenset[str], tuple[str, ...]], list[Change]] = defaultdict(list)
     for change in changes:
         allowed = TRANSITIONS[change.to]
@@ -154,23 +173,43 @@ def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
     # response, the ACK is applied first and the record keeps both.
     for (to, allowed, field_names), group in sorted(groups.items(),
                                                     key=lambda item: _ORDER.get(item[0][0], 9)):
-        by_id = {c.message_id: c for c in group if c.message_id is not None}
+        by_id: dict[str, list[Change]] = defaultdict(list)
+        for c in group:
+            if c.message_id is not None:
+                by_id[c.message_id].append(c)
         by_pk = {c.pk: c for c in group if c.pk is not None}
-        qs = Message.objects.select_for_update().filter(status__in=allowed)
-        rows: list[Message] = []
+        qs = Message.objects.select_for_update()
+        if not any(c.heard for c in group):
+            qs = qs.filter(status__in=allowed)
+        found: list[Message] = []
         if by_id:
-            rows += list(qs.filter(message_id__in=list(by_id)))
+            found += list(qs.filter(message_id__in=list(by_id)))
         if by_pk:
-            rows += [r for r in qs.filter(pk__in=list(by_pk)) if r.message_id not in by_id]
-        result.skipped += len(group) - len(rows)
-        for row in rows:
-            change = by_id.get(row.message_id) or by_pk[row.pk]
+            found += [r for r in qs.filter(pk__in=list(by_pk)) if r.message_id not in by_id]
+        moves: list[tuple[Message, Change]] = []
+        refused = 0
+        for row in found:
+            # Several answers to one request in a batch: the first one it may take moves it,
+            # so a refused answer never hides a good one behind it.
+            for change in by_id.get(row.message_id) or [by_pk[row.pk]]:
+                refusal = change.heard and row.answer_refusal(
+                    origin_node_id=change.heard.origin_node_id, heard_on=change.heard.heard_on,
+                    direction=change.heard.direction)
+                if refusal:
+                    result.refused.append((change, *refusal))
+                    refused += 1
+                elif row.status in allowed and (not moves or moves[-1][0] is not row):
+                    moves.append((row, change))
+        result.skipped += len(group) - len(moves) - refused
+        rows = [row for row, _ in moves]
+        for row, change in moves:
             previous, slot = row.status, slot_of(row)
             row.status = to
             row.updated_at = now
             for name, value in change.fields.items():
                 setattr(row, name, value)
             deltas.move(row.to_agent_id, slot, slot_of(row))
+            tally.moved(row, previous=previous, answer=to in ANSWERED or change.retryable)
             transitions.append(Transition(
                 message=row, from_status=previous, to_status=to, at=now, reason=change.reason,
                 actor=change.actor, by=change.by,
@@ -181,6 +220,7 @@ def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
             Message.objects.bulk_update(rows, ["status", "updated_at", *field_names])
     Transition.objects.bulk_create(transitions)
     deltas.write()
+    tally.on_commit()
     result.freed = deltas.freed()
     return result
 

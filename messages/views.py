@@ -10,6 +10,7 @@ from django.contrib.auth.decorators import login_required, permission_required
 from django.db.models import Count, Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.template.defaultfilters import pluralize
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import urlencode
@@ -18,7 +19,8 @@ from django.views.decorators.vary import vary_on_headers
 
 from directory.routing import route_capability
 from messages.models import Direction, Message, Status
-from messages.outbound import SendRefused, message_resend
+from messages.outbound import messages_resend
+from messages.redact import redacted
 from messages.selectors import (
     SINCE_CHOICES,
     MessageFilter,
@@ -28,7 +30,7 @@ from messages.selectors import (
     resendable,
     task_attempts,
 )
-from reachconsole.core.audit import audit_record
+from reachconsole.core.errors import ConsoleError
 from roster.models import Agent
 
 PAGE = 200
@@ -60,7 +62,8 @@ def message_list(request: HttpRequest) -> HttpResponse:
 def message_trace(request: HttpRequest, message_id: str) -> HttpResponse:
     row = get_object_or_404(Message.objects.select_related("resend_of"), message_id=message_id)
     return render(request, "messages/trace.html", {
-        "m": row, "transitions": row.transitions.all(), "attempts": task_attempts(row),
+        "m": row, "payload": redacted(row.payload),
+        "transitions": row.transitions.all(), "attempts": task_attempts(row),
         "replies": message_replies(row), "resendable": message_is_resendable(row),
         "can_resend": request.user.has_perm("a2a.resend_message"),
     })
@@ -73,12 +76,13 @@ def message_resend_view(request: HttpRequest, message_id: str) -> HttpResponse:
     actor = request.user.get_username()
     new_key = request.POST.get("new_key") == "1"
     try:
-        row = message_resend(message_id=message_id, by=actor, new_idempotency_key=new_key)
-    except SendRefused as exc:
+        rows = messages_resend(message_ids=[message_id], by=actor, new_idempotency_key=new_key)
+    except ConsoleError as exc:
         flash.error(request, exc.detail)
         return redirect("a2a:trace", message_id=message_id)
-    flash.success(request, f"Resent as {row.message_id}: {row.status}.")
-    return redirect("a2a:trace", message_id=row.message_id)
+    flash.success(request, "Resent as " + ", ".join(f"{r.message_id} to {r.to_agent_id}: "
+                                                    f"{r.status}" for r in rows) + ".")
+    return redirect("a2a:trace", message_id=rows[0].message_id)
 
 
 @require_POST
@@ -86,7 +90,7 @@ def message_resend_view(request: HttpRequest, message_id: str) -> HttpResponse:
 @permission_required("a2a.resend_message", raise_exception=True)
 def message_resend_bulk(request: HttpRequest) -> HttpResponse:
     """Resend what the list's filters select (failed task requests only), up to a limit,
-    each under the same guards as a single resend."""
+    under the same guards as a single resend: all of them, or none when one is refused."""
     request.GET = request.POST  # the filters travel in the form
     qs, f = _filtered(request)
     targets = list(resendable(qs).values_list("message_id", flat=True)[:BULK_LIMIT])
@@ -98,20 +102,14 @@ def message_resend_bulk(request: HttpRequest) -> HttpResponse:
                                                              "since", "q")}
         return redirect(f"{reverse('a2a:list')}?{urlencode(keep)}")
     actor = request.user.get_username()
-    ok, refused = 0, []
-    for message_id in targets:
-        try:
-            message_resend(message_id=message_id, by=actor)
-            ok += 1
-        except SendRefused as exc:
-            refused.append(f"{message_id}: {exc.detail}")
-    audit_record(actor=actor, action="resend-bulk", target=f"{len(targets)} messages",
-                 result="ok" if not refused else "partial",
-                 detail=f"filters {f}; resent {ok}; refused {len(refused)}"
-                 + ("".join(f"\n{r}" for r in refused[:20])))
-    flash.success(request, f"Resent {ok} of {len(targets)} messages.")
-    if refused:
-        flash.error(request, f"{len(refused)} refused, e.g. {refused[0]}")
+    try:
+        rows = messages_resend(message_ids=targets, by=actor, note=f"filters {f}")
+    except ConsoleError as exc:
+        flash.error(request, f"{exc.detail}. Narrow the filters to leave it out, or deal "
+                    "with it first.")
+        return redirect("a2a:list")
+    flash.success(request, f"Resent {len(targets)} message{pluralize(len(targets))} as "
+                  f"{len(rows)} new transmission{pluralize(len(rows))}.")
     return redirect("a2a:list")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from celery import Celery, bootsteps
@@ -11,7 +12,23 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "reachconsole.settings")
 app = Celery("reachconsole")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+log = logging.getLogger(__name__)
 
+
+
+def _reconcile_at_start() -> None:
+    """Classify the cluster's nodes once before this worker's bridge routes work, bounded by
+    REACH_RECONCILE_TIMEOUT_S for the authority (then UNKNOWN). A failure here never keeps
+    the worker from starting: the periodic run tries again."""
+    from roster.models import Reconciliation
+    from roster.reconcile import cluster_reconcile
+
+    try:
+        run = cluster_reconcile(trigger=Reconciliation.Trigger.STARTUP)
+        log.info("reconciliation at start against %s: %s in %d ms", run.authority, run.counts,
+                 run.duration_ms)
+    except Exception:
+        log.exception("reconciliation at start failed; the periodic run will try again")
 
 
 class BridgeStep(bootsteps.StartStopStep):
@@ -28,6 +45,7 @@ class BridgeStep(bootsteps.StartStopStep):
     def start(self, parent) -> None:
         from django.conf import settings
 
+        _reconcile_at_start()
         if not settings.REACH_BRIDGE or not settings.MQTT_URL:
             return
         from messages.bridge import Bridge

@@ -9,8 +9,10 @@ from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
+from prometheus_client.exposition import choose_encoder
 
-from reachconsole.core.metrics import prometheus_text
+from reachconsole.collector import registry
+from reachconsole.core.metrics import FLUSH_EVERY_S, DeliveryRate, delivery_rate
 
 
 @require_GET
@@ -59,30 +61,71 @@ def _check_broker() -> tuple[bool, str]:
     return True, f"{len(live)} bridge(s) hear the bus: {names}"
 
 
+def _check_delivery() -> tuple[dict, float | None]:
+    """Whether the receivers answered what the broker took, second by second (shared by
+    every bridge through the cache). A second is judged once REACH_ACK_TIMEOUT_MS has passed
+    since it ended (the console's own deadline for an answer, so answers still in flight on a
+    healthy console do not count against it), and the second in which every process hands
+    its counts over."""
+    threshold = settings.REACH_READY_MIN_DELIVERY_RATE
+    at_least = settings.REACH_READY_MIN_TRANSMISSIONS
+    settle_ms = settings.REACH_ACK_TIMEOUT_MS + int(FLUSH_EVERY_S * 1000)
+    check: dict = {"ok": True, "threshold": threshold, "minTransmissions": at_least,
+                   "judgedAfterMs": settle_ms}
+    try:
+        rate: DeliveryRate = delivery_rate(settle_s=settle_ms / 1000)
+    except Exception as exc:  # the cache (Redis) is down: its own check says so
+        check["detail"] = f"cannot tell (cache: {type(exc).__name__})"
+        return check, None
+    published = sum(p for _, p, _ in rate.seconds)
+    answered = sum(min(a, p) for _, p, a in rate.seconds)
+    check["published"], check["answered"] = published, answered
+    judged = rate.lowest_of(at_least=at_least)
+    if rate.lowest is None:
+        check["detail"] = "no task request taken by the broker in the last 10 s"
+    elif judged is not None and judged < threshold:
+        check["ok"] = False
+        check["detail"] = (f"receivers answered only {judged:.0%} of the task requests the broker "
+                           f"took in one second (below {threshold:.0%}): messages are not "
+                           "being delivered; is the broker dropping them, or are the nodes "
+                           "down?")
+    else:
+        check["detail"] = (f"{answered} of {published} task requests answered in the last 10 s"
+                           f" (lowest second {rate.lowest:.0%})")
+    return check, rate.lowest
+
+
 @require_GET
 @never_cache
 def readyz(request: HttpRequest) -> JsonResponse:
+    """200 when the console can deliver; 503 with the reasons when it cannot: the database
+    or Redis is down, no bridge hears the bus (connected and subscribed, its writes commit),
+    or the receivers stopped answering what the broker took (`deliveryRate.min10s`: the
+    lowest share answered in any second of the last ten, null without traffic)."""
     started = time.monotonic()
     checks = {}
     for name, check in (("database", _check_database), ("redis", _check_redis),
                         ("broker", _check_broker)):
         ok, detail = check()
         checks[name] = {"ok": ok, "detail": detail}
+    checks["delivery"], lowest = _check_delivery()
     ready = all(item["ok"] for item in checks.values())
     body = {
         "status": "ready" if ready else "not ready",
         "checks": checks,
+        "deliveryRate": {"min10s": None if lowest is None else round(lowest, 4)},
         "elapsedMs": round((time.monotonic() - started) * 1000, 1),
     }
+    if not ready:
+        body["reason"] = "; ".join(f"{name}: {item['detail']}" for name, item in checks.items()
+                                   if not item["ok"])
     return JsonResponse(body, status=200 if ready else 503)
 
 
 @require_GET
 @never_cache
 def metrics(request: HttpRequest) -> HttpResponse:
-    """Prometheus text format: counters shared through the cache, and which bridges hear."""
-    from roster.hearing import bridges_hearing
-
-    gauges = {f'reach_bridge_connected{{instance="{row.instance}"}}': 1
-              for row in bridges_hearing()}
-    return HttpResponse(prometheus_text(gauges), content_type="text/plain; version=0.0.4")
+    """The whole console's metrics (reachconsole/collector.py), in the format the scraper
+    asks for (Prometheus text by default, OpenMetrics on request)."""
+    encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+    return HttpResponse(encoder(registry), content_type=content_type)

@@ -44,9 +44,12 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "axes",  # login throttling: see AXES_* below
     "reachconsole.core",
     "django_htmx",
     "channels",
+    # Its templates and static files: /api/docs serves Swagger UI from here, not from a CDN.
+    "ninja",
     "reachconsole",
     "roster",
     "directory",
@@ -63,8 +66,12 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    # A NUL in a page's query string: 400 with words, not a 500 from PostgreSQL.
+    "reachconsole.error_pages.NulQueryMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # Last, as django-axes requires: it turns a refused login on any path into the lockout page.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "reachconsole.urls"
@@ -197,6 +204,8 @@ CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = False
 CELERY_BEAT_SCHEDULE_FILENAME = str(RUN_DIR / "celerybeat-schedule")
 CELERY_TIMEZONE = "UTC"
+# The worker logs through LOGGING below (JSON in production), not a root logger of its own.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
 # --- MQTT ---------------------------------------------------------------------------------
 MQTT_URL = env_str("MQTT_URL") or None
@@ -222,6 +231,11 @@ REACH_RETENTION_DAYS = env_int("REACH_RETENTION_DAYS", 14, minimum=0)
 # Backpressure: messages held for one agent before sends to it answer BUSY at once.
 REACH_QUEUE_LIMIT = env_int("REACH_QUEUE_LIMIT", 1000, minimum=1)
 REACH_MONITOR = env_bool("REACH_MONITOR", True)
+# Traffic between other nodes is recorded without its payload unless this is set.
+REACH_STORE_OBSERVED_PAYLOADS = env_bool("REACH_STORE_OBSERVED_PAYLOADS", False)
+# Keys whose values are masked wherever a payload or headers are shown (messages/redact.py).
+REACH_REDACT_KEYS = frozenset(
+    key.lower() for key in env_list("REACH_REDACT_KEYS", "password,token,secret,authorization"))
 # MQTT 5 (session expiry) against real brokers; the embedded broker speaks 3.1.1 only.
 MQTT_PROTOCOL = env_str("MQTT_PROTOCOL", "5")
 if MQTT_PROTOCOL not in {"5", "3.1.1"}:
@@ -237,6 +251,14 @@ REACH_OUTBOX_CLAIM_S = env_float("REACH_OUTBOX_CLAIM_S", 10.0, minimum=1.0)
 REACH_OUTBOX_POLL_S = env_float("REACH_OUTBOX_POLL_S", 1.0, minimum=0.05)
 REACH_OUTBOX_BATCH = env_int("REACH_OUTBOX_BATCH", 500, minimum=1)
 REACH_MAX_MESSAGE_BYTES = env_int("REACH_MAX_MESSAGE_BYTES", 256 * 1024, minimum=1024)
+# Readiness (reachconsole/health.py): /readyz answers 503 when, in a second of the last ten
+# with at least REACH_READY_MIN_TRANSMISSIONS task requests taken by the broker, fewer than
+# this share were answered (0 turns the check off). Shared by every console: all go 503 at once.
+REACH_READY_MIN_DELIVERY_RATE = env_float("REACH_READY_MIN_DELIVERY_RATE", 0.5)
+if REACH_READY_MIN_DELIVERY_RATE > 1:
+    raise ImproperlyConfigured(
+        f"REACH_READY_MIN_DELIVERY_RATE={REACH_READY_MIN_DELIVERY_RATE} is a share: 0 to 1")
+REACH_READY_MIN_TRANSMISSIONS = env_int("REACH_READY_MIN_TRANSMISSIONS", 5, minimum=1)
 
 # --- the roster ---------------------------------------------------------------------------
 REACH_LEASE_TTL_MS = env_int("REACH_LEASE_TTL_MS", 15000, minimum=1000)
@@ -252,6 +274,15 @@ REACH_LEASE_SWEEP_S = env_float("REACH_LEASE_SWEEP_S", 1.0, minimum=0.1)
 # (REACH_BRIDGE=0 everywhere, heartbeats over HTTP only) sets this to judge by the clock.
 REACH_JUDGE_BY_CLOCK = env_bool("REACH_JUDGE_BY_CLOCK", False)
 REACH_PID_LOOKUP_URL = env_str("REACH_PID_LOOKUP_URL") or None
+# The cluster's node authority (roster/reconcile.py): an endpoint in the shape of
+# `GET /api/cluster/nodes`. Unset: the console's own node table and heartbeats are the set.
+REACH_CLUSTER_NODES_URL = env_str("REACH_CLUSTER_NODES_URL") or None
+REACH_CLUSTER_NODES_TOKEN = env_str("REACH_CLUSTER_NODES_TOKEN") or ""
+REACH_CLUSTER_NODES_SOURCE = env_str("REACH_CLUSTER_NODES_SOURCE", "studio")
+REACH_RECONCILE_TTL_S = env_int("REACH_RECONCILE_TTL_S", 30, minimum=1)
+# How long a run waits for the authority before it says UNKNOWN (the worker's start waits
+# this long at most before its bridge starts).
+REACH_RECONCILE_TIMEOUT_S = env_float("REACH_RECONCILE_TIMEOUT_S", 5.0, minimum=0.1)
 REACH_MAX_METADATA_BYTES = env_int("REACH_MAX_METADATA_BYTES", 16 * 1024, minimum=256)
 
 # Only one beat may run; every periodic task also guards its claims, so two are harmless.
@@ -263,6 +294,8 @@ CELERY_BEAT_SCHEDULE = {
     "messages-prune": {"task": "messages.tasks.messages_prune", "schedule": 3600},
     # The kept in-flight/held counts against the rows they count (messages/load.py).
     "loads-reconcile": {"task": "messages.tasks.loads_reconcile", "schedule": 30},
+    "cluster-reconcile": {"task": "roster.tasks.cluster_reconcile",
+                          "schedule": REACH_RECONCILE_TTL_S},
 }
 
 # --- northbound API auth ------------------------------------------------------------------
@@ -273,10 +306,40 @@ REACH_TRUSTED_SOURCES = frozenset(
 
 REACH_LOGIN_MAX_FAILURES = env_int("REACH_LOGIN_MAX_FAILURES", 5, minimum=1)
 REACH_LOGIN_LOCKOUT_S = env_int("REACH_LOGIN_LOCKOUT_S", 300, minimum=1)
+# Login throttling with django-axes. Its backend runs first in every authenticate() call, so
+# the console's login, the admin's and any view that checks a password are throttled alike.
+# Failures are counted per (user name, address) pair: one user's failures never lock another
+# user out, even behind one proxy address. The address is REMOTE_ADDR only
+# (reachconsole/login.py client_address); behind a reverse proxy run Daphne with
+# --proxy-headers so REMOTE_ADDR is the client's (docs/deployment.md). Its database handler:
+# the counts are shared by every process and judged on the clock, and its tables come with
+# the package's migrations. (Its cache handler joins user name and address into one key
+# without a separator: user `bob1` from 92.168.1.10 would count against `bob` from
+# 192.168.1.10.)
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_HANDLER = "reachconsole.login.LoginAttempts"  # axes' database handler, NUL-safe
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+# Read on every attempt, so the REACH_ settings (and tests overriding them) decide.
+AXES_FAILURE_LIMIT = "reachconsole.login.failure_limit"
+AXES_COOLOFF_TIME = "reachconsole.login.cool_off"
+AXES_CLIENT_IP_CALLABLE = "reachconsole.login.client_address"
+AXES_USERNAME_CALLABLE = "reachconsole.login.attempt_username"
+AXES_LOCKOUT_CALLABLE = "reachconsole.login.lockout_response"
+# A refused attempt during a lockout does not extend it: the page's "try again in" holds.
+AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
+AXES_RESET_ON_SUCCESS = True
+# Refusals are in the audit trail (reachconsole/core/audit.py); no second log of successes.
+AXES_DISABLE_ACCESS_LOG = True
+AXES_ENABLE_ADMIN = False
 REACH_ADMIN_USER = env_str("REACH_ADMIN_USER", "admin")
 REACH_ADMIN_PASSWORD = env_str("REACH_ADMIN_PASSWORD")
 
 # --- the web ------------------------------------------------------------------------------
+# A refused form (no or an old CSRF token) gets the console's page with words, not Django's.
+CSRF_FAILURE_VIEW = "reachconsole.error_pages.csrf_failure"
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "roster:health"
 LOGOUT_REDIRECT_URL = "login"
@@ -304,14 +367,29 @@ if not DEBUG and env_bool("REACH_HTTPS", False):
     SECURE_HSTS_PRELOAD = True
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 
+# One JSON object a line in production (fields of a line about a message:
+# reachconsole/core/logs.py); plain text on embedded defaults (`make run`).
+REACH_LOG_FORMAT = env_str("REACH_LOG_FORMAT") or ("text" if EMBEDDED else "json")
+if REACH_LOG_FORMAT not in {"json", "text"}:
+    raise ImproperlyConfigured(f"REACH_LOG_FORMAT={REACH_LOG_FORMAT!r}: use json or text")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {
+        "text": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
+        "json": {
+            "()": "pythonjsonlogger.json.JsonFormatter",
+            "fmt": "%(asctime)s %(levelname)s %(name)s %(message)s",
+            "rename_fields": {"asctime": "time", "levelname": "level", "name": "logger"},
+            "json_ensure_ascii": False,
+        },
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": REACH_LOG_FORMAT}},
     "root": {"handlers": ["console"], "level": env_str("REACH_LOG_LEVEL", "INFO")},
     "loggers": {
         "amqtt": {"level": "WARNING"},
+        # Each failure and lockout is a warning; its bookkeeping (clean-ups) is not news.
+        "axes": {"level": "WARNING"},
         "transitions": {"level": "WARNING"},
         "daphne": {"level": "WARNING"},
         "django.channels.server": {"level": "WARNING"},

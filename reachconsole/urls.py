@@ -4,13 +4,13 @@ from django.urls import include, path
 
 from reachconsole import health
 from reachconsole.api import api
-from reachconsole.login import ThrottledLoginView
 
 urlpatterns = [
     path("", include("roster.urls")),
     path("directory/", include("directory.urls")),
     path("messages/", include("messages.urls")),
-    path("accounts/login/", ThrottledLoginView.as_view(), name="login"),
+    # Throttled by django-axes like every password check (reachconsole/login.py).
+    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("api/", api.urls),
@@ -18,3 +18,9 @@ urlpatterns = [
     path("readyz", health.readyz, name="readyz"),
     path("metrics", health.metrics, name="metrics"),
 ]
+
+# The console's own error pages (DEBUG off), JSON under /api/ (reachconsole/error_pages.py).
+handler400 = "reachconsole.error_pages.bad_request"
+handler403 = "reachconsole.error_pages.permission_denied"
+handler404 = "reachconsole.error_pages.page_not_found"
+handler500 = "reachconsole.error_pages.server_error"

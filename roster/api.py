@@ -5,14 +5,24 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from ninja import Field, Query, Router, Schema, Status
 
+from reachconsole.core.apidoc import BodyIn, JsonObject, json_int, refusals
 from roster import errors, services
-from roster.errors import AgentNotFound, NamespaceForbidden
-from roster.models import Agent
-from roster.reconcile import node_consistency, roster_consistency
+from roster.errors import AgentNotFound, ConsoleAgent, NamespaceForbidden, NotOwner
+from roster.fields import (
+    AgentId,
+    AgentIdInput,
+    Capabilities,
+    Groups,
+    MaxInflight,
+    NodeId,
+)
+from roster.models import CONSOLE_AGENTS, Agent, ClusterNode, Consistency, is_console_agent
+from roster.reconcile import roster_consistency
 from roster.selectors import AgentFilter, agents_filter, nodes_with_agents
 
 router = Router(tags=["roster"])
@@ -20,28 +30,37 @@ cluster_router = Router(tags=["cluster"])
 ops_router = Router(tags=["ops"])
 
 
-class RegisterIn(Schema):
-    agent_id: str = Field(..., alias="agentId", max_length=300)
-    node_id: str = Field(..., alias="nodeId", max_length=200)
+class RegisterIn(BodyIn):
+    agent_id: AgentIdInput = Field(..., alias="agentId")
+    node_id: NodeId = Field(..., alias="nodeId")
     version: str = Field("", max_length=64)
-    capabilities: list[str] = Field(default_factory=list)
-    groups: list[str] = Field(default_factory=list)
+    capabilities: Capabilities = Field(
+        default_factory=list, description="empty: the last segment of the agent's name")
+    groups: Groups = Field(default_factory=list, description="`#data-processing` or without #")
     endpoint: str = Field("", max_length=500)
-    max_inflight: int | None = Field(None, alias="maxInflight")
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    max_inflight: MaxInflight | None = Field(
+        None, alias="maxInflight", description="unacknowledged messages it takes at once")
+    metadata: JsonObject = Field(
+        default_factory=dict, description="at most REACH_MAX_METADATA_BYTES as JSON (422)")
     owner: str = Field("", max_length=128)
 
 
-class HeartbeatIn(Schema):
-    node_id: str | None = Field(None, alias="nodeId", max_length=200)
-    inflight: int | None = Field(None, ge=0, le=10_000_000)
-    queue_depth: int | None = Field(None, alias="queueDepth", ge=0, le=10_000_000)
+class HeartbeatIn(BodyIn):
+    node_id: NodeId | None = Field(None, alias="nodeId")
+    inflight: json_int(ge=0, le=10_000_000) | None = None
+    queue_depth: json_int(ge=0, le=10_000_000) | None = Field(None, alias="queueDepth")
+
+
+# The values each status field can take, from the models that own them.
+AgentStatus = Literal[tuple(Agent.Status.values)]
+NodeStatus = Literal[(*ClusterNode.Status.values, "RETIRED")]
+ConsistencyStatus = Literal[tuple(Consistency.values)]
 
 
 class LeaseOut(Schema):
     agent_id: str = Field(..., serialization_alias="agentId")
     node_id: str = Field(..., serialization_alias="nodeId")
-    status: str
+    status: AgentStatus
     lease_ttl_ms: int = Field(..., serialization_alias="leaseTtlMs")
     heartbeat_ms: int = Field(..., serialization_alias="heartbeatMs")
     max_message_bytes: int = Field(..., serialization_alias="maxMessageBytes")
@@ -59,8 +78,8 @@ class AgentOut(Schema):
     endpoint: str
     owner: str
     max_inflight: int = Field(..., serialization_alias="maxInflight")
-    metadata: dict[str, Any]
-    status: str
+    metadata: JsonObject
+    status: AgentStatus
     stale: bool
     inflight: int
     queue_depth: int = Field(..., serialization_alias="queueDepth")
@@ -76,31 +95,24 @@ class DeregisteredOut(Schema):
     deregistered: bool = True
 
 
-class ErrorOut(Schema):
-    error: str
-    detail: str
-
-
 class NodeOut(Schema):
     node_id: str = Field(..., serialization_alias="nodeId")
     url: str
-    status: str
+    status: NodeStatus
     last_seen: datetime | None = Field(None, serialization_alias="lastSeen")
     retired: bool
-    consistency: str
+    consistency: ConsistencyStatus
     agents: int
 
 
 class ConsistencyOut(Schema):
     agent_id: str = Field(..., serialization_alias="agentId")
     node_id: str = Field(..., serialization_alias="nodeId")
-    agent_status: str = Field(..., serialization_alias="agentStatus")
-    status: Literal["OK", "STALE", "UNKNOWN"]
+    agent_status: AgentStatus = Field(..., serialization_alias="agentStatus")
+    status: ConsistencyStatus
     reason: str
 
 
-ERRORS = {400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut,
-          422: ErrorOut}
 
 
 def _agent_out(agent: Agent, now: datetime) -> dict[str, Any]:
@@ -125,43 +137,75 @@ def _lease_out(lease: services.Lease) -> dict[str, Any]:
     }
 
 
-def _existing_agent(request: HttpRequest, agent_id: str) -> Agent:
-    """The agent named in the path, after the caller's namespace and actor are checked."""
+def _existing_agent(request: HttpRequest, agent_id: str, *, action: str = "") -> Agent:
+    """The agent named in the path, after the caller's namespace and actor are checked; with
+    an `action` (a change), also that it is not one of the console's own agents."""
     ref = services.agent_id_parse(agent_id)
     request.auth.require_namespace(ref.namespace)
     agent = Agent.objects.select_related("node", "namespace").filter(agent_id=ref.agent_id).first()
     if agent is None:
         raise AgentNotFound(errors.AGENT_NOT_FOUND.format(agent_id=ref.agent_id))
+    actor = request.auth.actor
+    if action and actor and agent.owner and agent.owner != actor:
+        raise NotOwner(errors.NOT_OWNER.format(agent_id=agent.agent_id, owner=agent.owner,
+                                               actor=actor, action=action))
     request.auth.require_owner(agent.owner)
+    if action and is_console_agent(agent.agent_id, agent.node.node_id):
+        raise ConsoleAgent(errors.CONSOLE_AGENT.format(agent_id=agent.agent_id,
+                                                       node_id=agent.node.node_id))
     return agent
 
 
-@router.post("/agents", response={200: LeaseOut, 201: LeaseOut, **ERRORS}, by_alias=True)
+# The registered agent, as the answer names it (`fin/tax` comes back as `fin.tax`), is what
+# the operations on one agent take: OpenAPI links say so to clients and to fuzzers.
+_AGENT_LINKS = {
+    "links": {
+        name: {"operationId": f"roster_api_{name}",
+               "parameters": {"agent_id": "$response.body#/agentId"}}
+        for name in ("agent_detail", "heartbeat", "drain", "deregister")
+    },
+}
+
+
+@router.post("/agents", response={200: LeaseOut, 201: LeaseOut, **refusals(409, body=True)},
+             by_alias=True,
+             openapi_extra={"responses": {200: _AGENT_LINKS, 201: _AGENT_LINKS}})
 def register(request: HttpRequest, body: RegisterIn):
     ref = services.agent_id_parse(body.agent_id)
     request.auth.require_namespace(ref.namespace)
     request.auth.require_owner(body.owner)
+    if ref.agent_id in CONSOLE_AGENTS:
+        raise ConsoleAgent(errors.CONSOLE_AGENT.format(agent_id=ref.agent_id,
+                                                       node_id=settings.REACH_NODE_ID))
+    if is_console_agent(ref.agent_id, body.node_id):
+        raise ConsoleAgent(errors.CONSOLE_NODE.format(node_id=body.node_id))
     lease = services.agent_register(
         agent_id=body.agent_id, node_id=body.node_id, version=body.version,
         capabilities=body.capabilities, groups=body.groups, endpoint=body.endpoint,
         max_inflight=body.max_inflight, metadata=body.metadata,
         owner=body.owner or request.auth.actor, actor=request.auth.label,
+        acting_for=request.auth.actor,
     )
     return Status((201 if lease.created else 200), _lease_out(lease))
 
 
-@router.get("/agents", response={200: list[AgentOut], **ERRORS}, by_alias=True)
+@router.get("/agents", response={200: list[AgentOut], **refusals()}, by_alias=True)
 def agents_list(
     request: HttpRequest,
     response: HttpResponse,
-    namespace: str = "",
-    node_id: str = Query("", alias="nodeId"),
-    capability: str = "",
+    namespace: str = Query("", max_length=64),
+    node_id: str = Query("", alias="nodeId", max_length=128),
+    capability: str = Query("", max_length=600),
     status: Literal["", "ONLINE", "DRAINING", "OFFLINE", "STALE"] = "",
     stale: bool | None = None,
     limit: int = Query(1000, ge=1, le=10000),
     offset: int = Query(0, ge=0, le=100_000_000),
+    after: str = Query("", max_length=265, description=(
+        "keyset paging: the agent id after which this page starts, as given in the "
+        "`X-Next-Cursor` header (and `Link: rel=next`) of the previous page")),
 ):
+    """The roster by agent id. Page with `after` (each page costs the same, however deep);
+    `offset` still works but reads every row it skips."""
     qs = agents_filter(
         AgentFilter(namespace=namespace, node_id=node_id, capability=capability, status=status,
                     stale=stale)
@@ -170,18 +214,30 @@ def agents_list(
     if namespaces is not None:
         qs = qs.filter(namespace__name__in=namespaces)
     response["X-Total-Count"] = str(qs.count())
+    if after:
+        qs = qs.filter(agent_id__gt=after)
     now = timezone.now()
-    return Status(200, [_agent_out(agent, now) for agent in qs[offset : offset + limit]])
+    page = list(qs[offset : offset + limit + 1])
+    if len(page) > limit:
+        page = page[:limit]
+        cursor = page[-1].agent_id
+        response["X-Next-Cursor"] = cursor
+        query = request.GET.copy()
+        query["after"] = cursor
+        query.pop("offset", None)
+        response["Link"] = f'<{request.path}?{query.urlencode()}>; rel="next"'
+    return Status(200, [_agent_out(agent, now) for agent in page])
 
 
-@router.get("/agents/{agent_id}", response={200: AgentOut, **ERRORS}, by_alias=True)
-def agent_detail(request: HttpRequest, agent_id: str):
+@router.get("/agents/{agent_id}", response={200: AgentOut, **refusals(404)}, by_alias=True)
+def agent_detail(request: HttpRequest, agent_id: AgentId):
     return Status(200, _agent_out(_existing_agent(request, agent_id), timezone.now()))
 
 
-@router.post("/agents/{agent_id}/heartbeat", response={200: LeaseOut, **ERRORS}, by_alias=True)
-def heartbeat(request: HttpRequest, agent_id: str, body: HeartbeatIn | None = None):
-    agent = _existing_agent(request, agent_id)
+@router.post("/agents/{agent_id}/heartbeat",
+             response={200: LeaseOut, **refusals(404, 409, body=True)}, by_alias=True)
+def heartbeat(request: HttpRequest, agent_id: AgentId, body: HeartbeatIn | None = None):
+    agent = _existing_agent(request, agent_id, action="renew")
     body = body or HeartbeatIn()
     lease = services.agent_renew(
         agent_id=agent.agent_id, node_id=body.node_id, inflight=body.inflight,
@@ -190,43 +246,43 @@ def heartbeat(request: HttpRequest, agent_id: str, body: HeartbeatIn | None = No
     return Status(200, _lease_out(lease))
 
 
-@router.post("/agents/{agent_id}/drain", response={200: AgentOut, **ERRORS}, by_alias=True)
-def drain(request: HttpRequest, agent_id: str):
-    agent = _existing_agent(request, agent_id)
+@router.post("/agents/{agent_id}/drain", response={200: AgentOut, **refusals(404)},
+             by_alias=True)
+def drain(request: HttpRequest, agent_id: AgentId):
+    agent = _existing_agent(request, agent_id, action="drain")
     agent = services.agent_drain(agent_id=agent.agent_id, actor=request.auth.label)
     agent.refresh_from_db()
     return Status(200, _agent_out(agent, timezone.now()))
 
 
-@router.delete("/agents/{agent_id}", response={200: DeregisteredOut, **ERRORS}, by_alias=True)
-def deregister(request: HttpRequest, agent_id: str):
-    agent = _existing_agent(request, agent_id)
+@router.delete("/agents/{agent_id}", response={200: DeregisteredOut, **refusals(404)},
+               by_alias=True)
+def deregister(request: HttpRequest, agent_id: AgentId):
+    agent = _existing_agent(request, agent_id, action="deregister")
     node_id = services.agent_deregister(agent_id=agent.agent_id, actor=request.auth.label)
     return Status(200, {"agent_id": agent.agent_id, "node_id": node_id})
 
 
-@cluster_router.get("/nodes", response={200: list[NodeOut], **ERRORS}, by_alias=True)
+@cluster_router.get("/nodes", response={200: list[NodeOut], **refusals()}, by_alias=True)
 def nodes(request: HttpRequest):
-    now = timezone.now()
     rows = []
-    for node in nodes_with_agents():
-        consistency, _ = node_consistency(node, now=now)
+    for node in nodes_with_agents(namespaces=request.auth.token.namespaces):
         rows.append({
             "node_id": node.node_id, "url": node.url,
             "status": "RETIRED" if node.retired else node.status, "last_seen": node.last_seen_at,
-            "retired": node.retired, "consistency": consistency.value,
+            "retired": node.retired, "consistency": node.consistency,
             "agents": node.agent_count,
         })
     return Status(200, rows)
 
 
-@ops_router.get("/roster-consistency", response={200: list[ConsistencyOut], **ERRORS},
+@ops_router.get("/roster-consistency", response={200: list[ConsistencyOut], **refusals()},
                 by_alias=True)
 def consistency(request: HttpRequest):
     if request.auth.token.namespaces is not None:
         raise NamespaceForbidden(errors.CONSISTENCY_NEEDS_ALL_NAMESPACES)
     return Status(200, [
         {"agent_id": row.agent_id, "node_id": row.node_id, "agent_status": row.agent_status,
-         "status": row.consistency.value, "reason": row.reason}
+         "status": row.consistency, "reason": row.reason}
         for row in roster_consistency()
     ])

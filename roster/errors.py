@@ -54,9 +54,20 @@ class ActorMismatch(RosterError):
     status = 403
 
 
+class NotOwner(RosterError):
+    code = "not_owner"
+    status = 403
+
+
+class ConsoleAgent(RosterError):
+    code = "console_agent"
+    status = 403
+
+
 AGENT_ID_HELP = (
     "an agent id is `{namespace}.{name}` (or `namespace/name`): a lowercase namespace of "
-    "letters, digits, '-' or '_', then a name of such segments joined by '.'"
+    "letters, digits, '-' or '_', then a name of such segments joined by '.'; 265 characters "
+    "at most"
 )
 
 # The words of each refusal, filled in with str.format where it is raised. Callers and tests
@@ -89,6 +100,45 @@ WRONG_NODE = (
     "once the old lease lapses"
 )
 NODE_NOT_FOUND = "node {node_id} is not known to the console"
+NOT_OWNER = (
+    "{agent_id} is owned by `{owner}`; X-OODER-Actor `{actor}` may not {action} it. Ask its "
+    "owner, or an operator (a service token request without X-OODER-Actor)"
+)
+CONSOLE_AGENT = (
+    "{agent_id} is the console's own agent on its node {node_id}; only the console registers, "
+    "renews, drains or removes it, not the API"
+)
+CONSOLE_NODE = (
+    "node {node_id} is the console's own node; agents are registered there by the console "
+    "only. Register the agent on the node that runs it"
+)
+CONSOLE_NODE_DRAIN = (
+    "node {node_id} is the console's own node: its agents are the console's, and they stop "
+    "with it, not by a drain"
+)
 CONSISTENCY_NEEDS_ALL_NAMESPACES = (
     "the roster-wide consistency report needs a token not bound to namespaces"
 )
+
+
+class InvalidNamespace(RosterError):
+    code = "invalid_namespace"
+    status = 422
+
+
+class NamespaceTaken(RosterError):
+    code = "namespace_taken"
+    status = 409
+
+
+class NamespaceNotFound(RosterError):
+    code = "namespace_not_found"
+    status = 404
+
+
+NAMESPACE_HELP = (
+    "a namespace is 1-64 lowercase letters, digits, '-' or '_', starting with a letter or digit"
+)
+NAMESPACE_INVALID = "`{raw}` is not a namespace name; " + NAMESPACE_HELP
+NAMESPACE_TAKEN = "namespace {name} exists already"
+NAMESPACE_NOT_FOUND = "namespace {name} does not exist (removed meanwhile?)"

@@ -14,7 +14,20 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}(\.[A-Za-z0-9][A-Za-z0-9_-
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 
 
+# The agents the console hosts itself (messages/handlers.py LOCAL_HANDLERS, which a test holds
+# equal to this), registered by its bridge on REACH_NODE_ID. Named here, in the roster, so that
+# the roster and the directory can tell them apart without importing the messages app.
+CONSOLE_AGENTS = frozenset({"ops.probe"})
+
 _LOOKUP = object()
+
+
+def is_console_agent(agent_id: str, node_id: str | None = None) -> bool:
+    """The console's own: one of its local agents, or anything on its own node (which runs no
+    consumer but the console's). Only the console registers, renews or removes these."""
+    return agent_id in CONSOLE_AGENTS or (
+        node_id is not None and bool(settings.REACH_NODE_ID) and node_id == settings.REACH_NODE_ID
+    )
 
 
 def stale_cutoff(now: datetime, heard_since: datetime | None) -> datetime | None:
@@ -60,10 +73,19 @@ class Namespace(models.Model):
         return self.name
 
 
+class Consistency(models.TextChoices):
+    """What the last reconciliation (roster/reconcile.py) said of a node, and so of every
+    agent the roster places on it."""
+
+    OK = "OK", "listed and live"
+    STALE = "STALE", "not in the node set, retired, or silent: not routable"
+    UNKNOWN = "UNKNOWN", "not known: the authority could not be read, or nothing heard yet"
+
+
 class ClusterNode(models.Model):
     class Status(models.TextChoices):
         ONLINE = "ONLINE", "online"
-        SILENT = "SILENT", "silent"  # known, but nothing heard within a lease TTL
+        DOWN = "DOWN", "down"  # known, but silent for three heartbeat intervals
 
     node_id = models.CharField(max_length=128, unique=True)
     url = models.CharField(max_length=500, blank=True)
@@ -73,9 +95,17 @@ class ClusterNode(models.Model):
     heartbeat_ms = models.PositiveIntegerField(null=True, blank=True)
     retired = models.BooleanField(default=False, help_text="Taken out of service by an operator")
     created_at = models.DateTimeField(default=timezone.now, editable=False)
+    # Written by reconciliation only; routing reads them (a STALE node's agents get no work).
+    consistency = models.CharField(max_length=8, choices=Consistency.choices,
+                                   default=Consistency.UNKNOWN, editable=False)
+    consistency_reason = models.CharField(max_length=300, blank=True, editable=False)
 
     class Meta:
         ordering = ["node_id"]
+        permissions = [
+            ("reconcile_cluster", "Can run reconciliation from the cluster page"),
+            ("manage_node", "Can drain and retire a whole node from the cluster page"),
+        ]
 
     def __str__(self) -> str:
         return self.node_id
@@ -94,7 +124,8 @@ class Agent(models.Model):
         OFFLINE = "OFFLINE", "offline"
 
     namespace = models.ForeignKey(Namespace, on_delete=models.PROTECT, related_name="agents")
-    name = models.CharField(max_length=200)
+    # As long as the longest agent id: a one-letter namespace leaves 263 characters of name.
+    name = models.CharField(max_length=265)
     agent_id = models.CharField(max_length=265, unique=True)
     # The capability segment (last segment of the name), stored by agent_register so the
     # directory can look it up by index.
@@ -119,7 +150,12 @@ class Agent(models.Model):
 
     class Meta:
         ordering = ["agent_id"]
-        indexes = [models.Index(fields=["status", "lease_expires_at"], name="agent_status_lease")]
+        indexes = [
+            models.Index(fields=["status", "lease_expires_at"], name="agent_status_lease"),
+            # Stale agents (ONLINE, not heard for two heartbeats): the problem rows the pages
+            # list first, found without reading the healthy ones.
+            models.Index(fields=["status", "last_heartbeat_at"], name="agent_status_heard"),
+        ]
         permissions = [("drain_agent", "Can drain and deregister agents from the console")]
 
     def __str__(self) -> str:
@@ -199,3 +235,30 @@ class BusHearing(models.Model):
 
     def __str__(self) -> str:
         return f"{self.instance} since {self.hearing_since}"
+
+
+class Reconciliation(models.Model):
+    """One run of reconciliation: what the node authority said, how long it took, and which
+    nodes changed class. Pages and the API read the last run instead of recomputing."""
+
+    class Trigger(models.TextChoices):
+        STARTUP = "startup", "worker start"
+        SCHEDULE = "schedule", "periodic"
+        OPERATOR = "operator", "an operator"
+
+    started_at = models.DateTimeField(default=timezone.now, db_index=True)
+    duration_ms = models.PositiveIntegerField(default=0)
+    trigger = models.CharField(max_length=16, choices=Trigger.choices)
+    actor = models.CharField(max_length=150, blank=True)
+    # "roster" (the console's own node table and heartbeats) or the authority's URL.
+    authority = models.CharField(max_length=500)
+    authority_ok = models.BooleanField(default=True)
+    detail = models.TextField(blank=True, help_text="why the authority could not be used")
+    counts = models.JSONField(default=dict, help_text="agents per class: OK, STALE, UNKNOWN")
+    changes = models.JSONField(default=list, help_text="nodes whose class changed, and why")
+
+    class Meta:
+        ordering = ["-started_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.started_at:%Y-%m-%d %H:%M:%S} {self.trigger} ({self.authority})"

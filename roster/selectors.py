@@ -6,11 +6,17 @@ import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.db.models import Count, Q, QuerySet
+from django.db.models import Case, Count, F, IntegerField, Q, QuerySet, Value, When, Window
+from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from roster.hearing import bus_heard_since
 from roster.models import Agent, ClusterNode, RosterEvent, stale_cutoff
+from roster.services import node_down_after
+
+# Each heartbeat that lists a misplaced agent writes one event: the newest few thousand are
+# plenty to show which conflicts are current.
+MAX_CONFLICTS = 2000
 
 STATUS_STALE = "STALE"
 
@@ -70,6 +76,77 @@ def agents_filter(flt: AgentFilter, *, now: datetime | None = None) -> QuerySet[
     return qs.order_by("agent_id")
 
 
+def _problem_q(now: datetime) -> Q:
+    """Agents that need attention: not ONLINE, or ONLINE and stale. Written as ranges over
+    (status, last_heartbeat_at), which an index serves, so the problem rows are found without
+    reading the healthy ones."""
+    return (Q(status__in=[Agent.Status.DRAINING, Agent.Status.OFFLINE])
+            | (Q(status=Agent.Status.ONLINE) & _stale_q(now)))
+
+
+def _fine(now: datetime) -> Case:
+    """1 for an agent that needs no attention (ONLINE and not stale), else 0: the problem
+    rows sort first."""
+    return Case(When(_problem_q(now), then=Value(0)), default=Value(1),
+                output_field=IntegerField())
+
+
+@dataclass(frozen=True, slots=True)
+class AgentPage:
+    agents: list[Agent]
+    next_cursor: str  # "" on the last page
+
+
+def agents_page(flt: AgentFilter, *, after: str = "", size: int = 100,
+                now: datetime | None = None) -> AgentPage:
+    """One page of the filtered roster, the problem rows first, then by agent id. Keyset
+    paging: `after` is the cursor of the previous page, so a page never repeats or skips a
+    row because others came or went before it (an agent whose own state changes between two
+    pages may move to the other section)."""
+    now = now or timezone.now()
+    qs = agents_filter(flt, now=now).annotate(fine=_fine(now)).order_by("fine", "agent_id")
+    fine, _, agent_id = after.partition("|")
+    if fine in ("0", "1") and agent_id:
+        qs = qs.filter(Q(fine__gt=int(fine)) | Q(fine=int(fine), agent_id__gt=agent_id))
+    rows = list(qs[:size + 1])
+    more = len(rows) > size
+    last = rows[size - 1] if more else None
+    return AgentPage(rows[:size], f"{last.fine}|{last.agent_id}" if last else "")
+
+
+def node_counts() -> dict[int, dict[str, int]]:
+    """Agents per node (by primary key) and status: one grouped read of the roster."""
+    out: dict[int, dict[str, int]] = {}
+    for node_pk, status, n in (Agent.objects.order_by().values_list("node_id", "status")
+                               .annotate(n=Count("id"))):
+        out.setdefault(node_pk, {})[status] = n
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class NodeProblems:
+    first: list[Agent]  # the first few, by agent id
+    total: int
+
+
+def node_problems(*, now: datetime | None = None, per_node: int = 10
+                  ) -> dict[int, NodeProblems]:
+    """Per node (by primary key): the agents that need attention (not ONLINE, or stale), the
+    first few and how many in all. Two queries whatever the roster's size."""
+    now = now or timezone.now()
+    problems = Agent.objects.filter(_problem_q(now))
+    totals = dict(problems.order_by().values_list("node_id").annotate(n=Count("id")))
+    first: dict[int, list[Agent]] = {}
+    rows = (problems.annotate(place=Window(RowNumber(), partition_by=[F("node_id")],
+                                           order_by=F("agent_id").asc()))
+            .filter(place__lte=per_node)
+            .only("agent_id", "status", "node_id", "last_heartbeat_at", "registered_at")
+            .order_by("node_id", "agent_id"))
+    for agent in rows:
+        first.setdefault(agent.node_id, []).append(agent)
+    return {pk: NodeProblems(first.get(pk, []), total) for pk, total in totals.items()}
+
+
 @dataclass(frozen=True, slots=True)
 class RosterCounts:
     online: int
@@ -105,8 +182,54 @@ def filter_choices() -> dict[str, list[str]]:
     }
 
 
-def nodes_with_agents() -> QuerySet[ClusterNode]:
+def nodes_with_agents(*, namespaces: frozenset[str] | None = None) -> QuerySet[ClusterNode]:
+    """Every node with its agent counts; with `namespaces` (a token bound to them), only the
+    nodes that host an agent of those namespaces, counting only those agents."""
+    if namespaces is None:
+        return ClusterNode.objects.annotate(
+            agent_count=Count("agents"),
+            online_count=Count("agents", filter=Q(agents__status=Agent.Status.ONLINE)),
+            draining_count=Count("agents", filter=Q(agents__status=Agent.Status.DRAINING)),
+            offline_count=Count("agents", filter=Q(agents__status=Agent.Status.OFFLINE)),
+        ).order_by("node_id")
+    mine = Q(agents__namespace__name__in=namespaces)
     return ClusterNode.objects.annotate(
-        agent_count=Count("agents"),
-        online_count=Count("agents", filter=Q(agents__status=Agent.Status.ONLINE)),
-    ).order_by("node_id")
+        agent_count=Count("agents", filter=mine),
+        online_count=Count("agents", filter=mine & Q(agents__status=Agent.Status.ONLINE)),
+        draining_count=Count("agents", filter=mine & Q(agents__status=Agent.Status.DRAINING)),
+        offline_count=Count("agents", filter=mine & Q(agents__status=Agent.Status.OFFLINE)),
+    ).filter(agent_count__gt=0).order_by("node_id")
+
+
+@dataclass(frozen=True, slots=True)
+class Conflict:
+    """An agent listed in the heartbeats of a node the roster does not place it on."""
+
+    agent_id: str
+    claimed_by: str  # the node whose heartbeats list it
+    placed_on: str  # the node the roster places it on ("" once it left the roster)
+    at: datetime
+
+
+def recent_conflicts(*, now: datetime | None = None,
+                     agent_id: str | None = None) -> dict[str, list[Conflict]]:
+    """Conflicts still current (reported within three heartbeat intervals), under both nodes
+    involved: the one that lists the agent and the one the roster places it on."""
+    now = now or timezone.now()
+    events = RosterEvent.objects.filter(kind=RosterEvent.Kind.CONFLICT,
+                                        at__gte=now - node_down_after(None))
+    if agent_id is not None:
+        events = events.filter(agent_id=agent_id)
+    latest: dict[tuple[str, str], datetime] = {}
+    for agent_id, node_id, at in (
+        events.order_by("-at").values_list("agent_id", "node_id", "at")[:MAX_CONFLICTS]
+    ):
+        latest.setdefault((agent_id, node_id), at)
+    placed = dict(Agent.objects.filter(agent_id__in={a for a, _ in latest})
+                  .values_list("agent_id", "node__node_id"))
+    out: dict[str, list[Conflict]] = {}
+    for (agent_id, claimed_by), at in sorted(latest.items()):
+        conflict = Conflict(agent_id, claimed_by, placed.get(agent_id, ""), at)
+        for node_id in {claimed_by, conflict.placed_on} - {""}:
+            out.setdefault(node_id, []).append(conflict)
+    return out

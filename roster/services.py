@@ -20,7 +20,8 @@ from typing import Any
 
 from django.conf import settings
 from django.core.cache import cache
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
+from django.db.models import Case, F, Value, When
 from django.utils import timezone
 
 from reachconsole.core.audit import audit_record
@@ -29,9 +30,11 @@ from roster.errors import (
     AGENT_ID_HELP,
     AgentHeldElsewhere,
     AgentNotFound,
+    ConsoleAgent,
     InvalidAgentId,
     InvalidField,
     NodeNotFound,
+    NotOwner,
     WrongNode,
 )
 from roster.hearing import bus_heard_since
@@ -41,6 +44,7 @@ from roster.models import (
     NODE_ID_RE,
     Agent,
     ClusterNode,
+    Consistency,
     Namespace,
     lapse_cutoff,
 )
@@ -50,6 +54,8 @@ log = logging.getLogger(__name__)
 
 CAPABILITY_RE = NAME_RE
 MAX_LABELS = 64
+MAX_INFLIGHT_RANGE = (1, 100_000)
+AGENT_ID_MAX_LENGTH = Agent._meta.get_field("agent_id").max_length
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +90,14 @@ def agent_id_parse(raw: Any) -> AgentRef:
         namespace, _, name = text.partition("/")
     else:
         namespace, _, name = text.partition(".")
-    if not NAMESPACE_RE.match(namespace) or not name or not NAME_RE.match(name):
+    if (not NAMESPACE_RE.fullmatch(namespace) or not name or not NAME_RE.fullmatch(name)
+            or len(text) > AGENT_ID_MAX_LENGTH):
         raise InvalidAgentId(errors.AGENT_ID_INVALID.format(raw=raw[:100], help=AGENT_ID_HELP))
     return AgentRef(namespace=namespace, name=name)
 
 
 def node_id_check(raw: Any, *, field: str = "nodeId") -> str:
-    if not isinstance(raw, str) or not NODE_ID_RE.match(raw):
+    if not isinstance(raw, str) or not NODE_ID_RE.fullmatch(raw):
         raise InvalidField(errors.NODE_ID_INVALID.format(field=field, raw=str(raw)[:100]))
     return raw
 
@@ -105,7 +112,7 @@ def _labels_check(values: Any, *, field: str, prefix: str = "") -> list[str]:
         name = value[len(prefix) :] if prefix and isinstance(value, str) and value.startswith(
             prefix
         ) else value
-        if not isinstance(name, str) or not CAPABILITY_RE.match(name):
+        if not isinstance(name, str) or not CAPABILITY_RE.fullmatch(name):
             raise InvalidField(errors.LABEL_INVALID.format(field=field, raw=str(value)[:60]))
         label = f"{prefix}{name}"
         if label not in clean:
@@ -180,6 +187,7 @@ def agent_register(
     metadata: Any = None,
     owner: str = "",
     actor: str = "",
+    acting_for: str = "",
     now: datetime | None = None,
     _retried: bool = False,
 ) -> Lease:
@@ -189,13 +197,19 @@ def agent_register(
     new lease. From another node it moves only when the old lease has lapsed; while the old
     holder's lease runs the call is refused with the holder named, because two nodes both
     believing they host an agent is how messages get executed twice.
+
+    `acting_for` is the person the caller acts for (X-OODER-Actor): an agent owned by someone
+    else is refused, checked under the row's lock so two callers cannot both pass. Without
+    it (an operator's or the console's own call) the owner is not checked.
     """
     ref = agent_id_parse(agent_id)
     node_id = node_id_check(node_id)
     caps = _labels_check(capabilities, field="capabilities")
     grps = _labels_check(groups, field="groups", prefix="#")
     meta = _metadata_check(metadata)
-    if max_inflight is not None and not (1 <= max_inflight <= 100_000):
+    if max_inflight is not None and not (
+        MAX_INFLIGHT_RANGE[0] <= max_inflight <= MAX_INFLIGHT_RANGE[1]
+    ):
         raise InvalidField(errors.MAX_INFLIGHT_OUT_OF_RANGE)
     now = now or timezone.now()
     fields = {
@@ -237,6 +251,11 @@ def agent_register(
                 _roster_changed()
                 return _lease(agent, created=True)
 
+            if acting_for and agent.owner and agent.owner != acting_for:
+                raise NotOwner(errors.NOT_OWNER.format(
+                    agent_id=agent.agent_id, owner=agent.owner, actor=acting_for,
+                    action="re-register",
+                ))
             kind = Event.Kind.REGISTERED
             if agent.node_id != node.pk:
                 holder = agent.node.node_id
@@ -268,7 +287,7 @@ def agent_register(
         return agent_register(
             agent_id=agent_id, node_id=node_id, version=version, capabilities=capabilities,
             groups=groups, endpoint=endpoint, max_inflight=max_inflight, metadata=metadata,
-            owner=owner, actor=actor, now=now, _retried=True,
+            owner=owner, actor=actor, acting_for=acting_for, now=now, _retried=True,
         )
 
 
@@ -326,9 +345,7 @@ def agent_renew(
         # A heartbeat over HTTP has the same effect as one over MQTT: the node is alive.
         # After the agent's transaction: the roster locks a node before its agents
         # (heartbeat_record, agent_register), never the other way round.
-        ClusterNode.objects.filter(pk=agent.node.pk).update(
-            last_seen_at=now, status=ClusterNode.Status.ONLINE
-        )
+        node_seen(node_id=agent.node.node_id, now=now)
         return lease
     # Raised after the commit so the recorded conflict stays for operators to see.
     raise WrongNode(
@@ -357,16 +374,85 @@ def agent_drain(*, agent_id: str, actor: str = "", now: datetime | None = None) 
     now = now or timezone.now()
     with transaction.atomic():
         agent = _agent_for_update(agent_id)
-        if agent.status != Agent.Status.DRAINING:
-            agent.status = Agent.Status.DRAINING
-            agent.drained_at = now
-            agent.save(update_fields=["status", "drained_at", "updated_at"])
-            Event.objects.create(
-                agent_id=agent.agent_id, node_id=agent.node.node_id, kind=Event.Kind.DRAINED,
-                actor=actor, at=now,
-            )
-        audit_record(actor=actor, action="drain", target=agent.agent_id)
+        _drain(agent, actor=actor, now=now)
     return agent
+
+
+def _drain(agent: Agent, *, actor: str, now: datetime) -> None:
+    """Drain one agent locked by the caller, and audit it, in the caller's transaction."""
+    if agent.status != Agent.Status.DRAINING:
+        agent.status = Agent.Status.DRAINING
+        agent.drained_at = now
+        agent.save(update_fields=["status", "drained_at", "updated_at"])
+        Event.objects.create(
+            agent_id=agent.agent_id, node_id=agent.node.node_id, kind=Event.Kind.DRAINED,
+            actor=actor, at=now,
+        )
+    audit_record(actor=actor, action="drain", target=agent.agent_id)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeDrain:
+    drained: list[str]  # draining now (or already), in agent id order
+    unknown: list[str]  # not in the roster
+    elsewhere: dict[str, str]  # agent id → the node the roster places it on
+
+
+def agents_drain_for_node(*, node_id: str, agent_ids: list[str], actor: str,
+                          now: datetime | None = None) -> NodeDrain:
+    """A node's own request (a DRAIN on the bus) to drain agents it hosts: for each agent
+    the roster places on `node_id`, what agent_drain does, audited; an agent the roster does
+    not know, or places on another node, is left as it is, and the refusal audited too (as
+    a heartbeat does not move an agent, a node does not drain another node's agents).
+    `agent_ids` are normalized agent ids (agent_id_parse)."""
+    now = now or timezone.now()
+    wanted = sorted(set(agent_ids))
+    with transaction.atomic():
+        # In agent id order: the roster's lock order.
+        agents = list(Agent.objects.select_for_update(of=("self",)).select_related("node")
+                      .filter(agent_id__in=wanted).order_by("agent_id"))
+        found = {agent.agent_id for agent in agents}
+        drained, elsewhere = [], {}
+        for agent in agents:
+            if agent.node.node_id != node_id:
+                elsewhere[agent.agent_id] = agent.node.node_id
+                audit_record(actor=actor, action="drain", target=agent.agent_id,
+                             result="refused", detail=f"the roster places it on node "
+                             f"{agent.node.node_id}, not on {node_id}")
+                continue
+            _drain(agent, actor=actor, now=now)
+            drained.append(agent.agent_id)
+        unknown = [agent_id for agent_id in wanted if agent_id not in found]
+        for agent_id in unknown:
+            audit_record(actor=actor, action="drain", target=agent_id, result="refused",
+                         detail="not in the roster")
+    return NodeDrain(drained=drained, unknown=unknown, elsewhere=elsewhere)
+
+
+def node_drain(*, node_id: str, actor: str, now: datetime | None = None) -> list[str]:
+    """Phase 1 for every agent the roster places on `node_id`: no new work from now on; work
+    in flight finishes. One transaction, set-wise, audited with the change; returns the
+    agents that are draining now (those already draining are left as they are)."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        node = ClusterNode.objects.filter(node_id=node_id).first()
+        if node is None:
+            raise NodeNotFound(errors.NODE_NOT_FOUND.format(node_id=node_id))
+        if node_id == settings.REACH_NODE_ID:
+            raise ConsoleAgent(errors.CONSOLE_NODE_DRAIN.format(node_id=node_id))
+        # Locked in agent id order, like every multi-agent lock (the roster's lock order).
+        rows = list(Agent.objects.select_for_update().filter(node=node)
+                    .exclude(status=Agent.Status.DRAINING).order_by("agent_id")
+                    .values_list("pk", "agent_id"))
+        Agent.objects.filter(pk__in=[pk for pk, _ in rows]).update(
+            status=Agent.Status.DRAINING, drained_at=now, updated_at=now)
+        Event.objects.bulk_create([
+            Event(agent_id=agent_id, node_id=node_id, kind=Event.Kind.DRAINED, actor=actor,
+                  at=now, detail="the whole node is draining")
+            for _, agent_id in rows])
+        audit_record(actor=actor, action="drain-node", target=node_id,
+                     detail=f"{len(rows)} agent(s) draining")
+    return [agent_id for _, agent_id in rows]
 
 
 def agent_deregister(*, agent_id: str, actor: str = "", now: datetime | None = None) -> str:
@@ -392,55 +478,107 @@ class ExpiryCounts:
     removed: int
 
 
-def leases_expire(*, now: datetime | None = None, batch: int = 5000) -> ExpiryCounts:
-    """Set-wise sweep of lapsed leases: ONLINE → OFFLINE, DRAINING → removed.
+def leases_expire(*, now: datetime | None = None, batch: int = 20_000,
+                  max_batches: int = 50) -> ExpiryCounts:
+    """Set-wise sweep of lapsed leases: ONLINE → OFFLINE, DRAINING → removed, each with its
+    history row. Batch after batch (each its own short transaction) until none is left.
 
-    Rows are claimed with `skip_locked` and changed with updates guarded on the old status,
-    so two sweepers running at once never count, log or remove an agent twice. Nothing
-    lapses until the console has heard the bus for a full TTL (roster.models.lapse_cutoff).
-    """
+    Rows are claimed with `skip_locked` and changed with statements guarded on the old
+    status, so two sweepers running at once never count, log or remove an agent twice.
+    Nothing lapses until the console has heard the bus for a full TTL
+    (roster.models.lapse_cutoff)."""
     now = now or timezone.now()
     cutoff = lapse_cutoff(now, bus_heard_since(now=now))
     if cutoff is None:
         return ExpiryCounts(offline=0, removed=0)
-    with transaction.atomic():
-        claimed = list(
-            Agent.objects.select_for_update(skip_locked=True, of=("self",))
-            .filter(
-                status__in=[Agent.Status.ONLINE, Agent.Status.DRAINING],
-                lease_expires_at__lt=now,
-            )
-            .values_list("id", "agent_id", "status", "node__node_id")[:batch]
-        )
-        if not claimed:
-            return ExpiryCounts(offline=0, removed=0)
-        online = [row for row in claimed if row[2] == Agent.Status.ONLINE]
-        draining = [row for row in claimed if row[2] == Agent.Status.DRAINING]
-        offline = Agent.objects.filter(
-            id__in=[row[0] for row in online], status=Agent.Status.ONLINE,
-            lease_expires_at__lt=now,
-        ).update(status=Agent.Status.OFFLINE, expired_at=now, inflight=0, updated_at=now)
-        removed, _ = Agent.objects.filter(
-            id__in=[row[0] for row in draining], status=Agent.Status.DRAINING,
-            lease_expires_at__lt=now,
-        ).delete()
-        if removed:
+    sweep = _expire_batch_pg if connection.vendor == "postgresql" else _expire_batch
+    offline = removed = 0
+    for _ in range(max_batches):
+        with transaction.atomic():
+            claimed, batch_offline, batch_removed = sweep(now=now, batch=batch)
+        offline, removed = offline + batch_offline, removed + batch_removed
+        if batch_removed:
             _roster_changed()
-        events = [
-            Event(agent_id=row[1], node_id=row[3], kind=Event.Kind.EXPIRED, actor="sweeper",
-                  at=now)
-            for row in online
-        ] + [
-            Event(agent_id=row[1], node_id=row[3], kind=Event.Kind.REMOVED, actor="sweeper",
-                  at=now, detail="lease lapsed while draining")
-            for row in draining
-        ]
-        if offline == len(online) and removed == len(draining):
-            Event.objects.bulk_create(events)
-        else:  # pragma: no cover - only when a lock was not honoured
-            log.warning("lease sweep changed %s/%s rows it had claimed", offline + removed,
-                        len(claimed))
+        if claimed < batch:
+            break
     return ExpiryCounts(offline=offline, removed=removed)
+
+
+# One statement a batch: claim, change, delete and write the history in the database, with
+# no per-row parameters (a batch of any size binds five values).
+_EXPIRE_SQL = """
+WITH lapsed AS (
+    SELECT id FROM roster_agent
+    WHERE status IN ('ONLINE', 'DRAINING') AND lease_expires_at < %(now)s
+    ORDER BY lease_expires_at LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+), went_offline AS (
+    UPDATE roster_agent a SET status = 'OFFLINE', expired_at = %(now)s, inflight = 0,
+                              updated_at = %(now)s
+    FROM lapsed WHERE a.id = lapsed.id AND a.status = 'ONLINE'
+    RETURNING a.agent_id, a.node_id
+), removed AS (
+    DELETE FROM roster_agent a USING lapsed WHERE a.id = lapsed.id AND a.status = 'DRAINING'
+    RETURNING a.agent_id, a.node_id
+), history AS (
+    INSERT INTO roster_rosterevent (at, agent_id, node_id, kind, actor, detail)
+    SELECT %(now)s, c.agent_id, n.node_id, c.kind, 'sweeper', c.detail
+    FROM (SELECT agent_id, node_id, 'EXPIRED' AS kind, '' AS detail FROM went_offline
+          UNION ALL
+          SELECT agent_id, node_id, 'REMOVED', 'lease lapsed while draining' FROM removed) c
+    JOIN roster_clusternode n ON n.id = c.node_id
+    RETURNING kind
+)
+SELECT (SELECT count(*) FROM lapsed),
+       (SELECT count(*) FROM history WHERE kind = 'EXPIRED'),
+       (SELECT count(*) FROM history WHERE kind = 'REMOVED')
+"""
+
+
+def _expire_batch_pg(*, now: datetime, batch: int) -> tuple[int, int, int]:
+    with connection.cursor() as cursor:
+        cursor.execute(_EXPIRE_SQL, {"now": now, "batch": batch})
+        claimed, offline, removed = cursor.fetchone()
+    return claimed, offline, removed
+
+
+def _expire_batch(*, now: datetime, batch: int) -> tuple[int, int, int]:
+    """The same batch for SQLite (the embedded mode), which has no data-modifying CTEs:
+    a few statements, still set-wise."""
+    claimed = list(
+        Agent.objects.select_for_update(skip_locked=True, of=("self",))
+        .filter(status__in=[Agent.Status.ONLINE, Agent.Status.DRAINING],
+                lease_expires_at__lt=now)
+        .order_by("lease_expires_at")
+        .values_list("id", "agent_id", "status", "node__node_id")[:batch]
+    )
+    if not claimed:
+        return 0, 0, 0
+    online = [row for row in claimed if row[2] == Agent.Status.ONLINE]
+    draining = [row for row in claimed if row[2] == Agent.Status.DRAINING]
+    offline = 0
+    for chunk in _chunks([row[0] for row in online]):  # SQLite's bound-parameter limit
+        offline += Agent.objects.filter(
+            id__in=chunk, status=Agent.Status.ONLINE, lease_expires_at__lt=now,
+        ).update(status=Agent.Status.OFFLINE, expired_at=now, inflight=0, updated_at=now)
+    removed = 0
+    for chunk in _chunks([row[0] for row in draining]):
+        removed += Agent.objects.filter(
+            id__in=chunk, status=Agent.Status.DRAINING, lease_expires_at__lt=now,
+        ).delete()[0]
+    Event.objects.bulk_create([
+        Event(agent_id=row[1], node_id=row[3], kind=Event.Kind.EXPIRED, actor="sweeper", at=now)
+        for row in online
+    ] + [
+        Event(agent_id=row[1], node_id=row[3], kind=Event.Kind.REMOVED, actor="sweeper", at=now,
+              detail="lease lapsed while draining")
+        for row in draining
+    ], batch_size=2000)
+    return len(claimed), offline, removed
+
+
+def _chunks(ids: list[int], size: int = 2000) -> list[list[int]]:
+    return [ids[i:i + size] for i in range(0, len(ids), size)]
 
 
 def node_seen(
@@ -450,7 +588,11 @@ def node_seen(
     heartbeat_ms: int | None = None,
     now: datetime | None = None,
 ) -> ClusterNode:
-    """Record that a node spoke on the bus (a heartbeat): last seen now, status ONLINE."""
+    """Record that a node spoke on the bus (a heartbeat): last seen now, status ONLINE.
+
+    Without a node authority (REACH_CLUSTER_NODES_URL) the heartbeat is the node's proof of
+    life, so a node that was STALE or UNKNOWN for its silence is OK again at once; with
+    one, the next reconciliation decides (the authority may no longer list it)."""
     node_id = node_id_check(node_id)
     now = now or timezone.now()
     changes: dict[str, Any] = {"last_seen_at": now, "status": ClusterNode.Status.ONLINE}
@@ -458,32 +600,66 @@ def node_seen(
         changes["url"] = url[:500]
     if heartbeat_ms is not None:
         changes["heartbeat_ms"] = heartbeat_ms
+    live = {} if settings.REACH_CLUSTER_NODES_URL else {
+        "consistency": Consistency.OK, "consistency_reason": f"node {node_id} is live"}
     with transaction.atomic():
-        updated = ClusterNode.objects.filter(node_id=node_id).update(**changes)
+        updated = ClusterNode.objects.filter(node_id=node_id).update(**changes, **{
+            # A retired node stays STALE whatever it sends.
+            field: Case(When(retired=True, then=F(field)), default=Value(value))
+            for field, value in live.items()})
         if not updated:
             try:
                 with transaction.atomic():
-                    ClusterNode.objects.create(node_id=node_id, **changes)
+                    ClusterNode.objects.create(node_id=node_id, **changes, **live)
             except IntegrityError:  # created by a concurrent caller in between
                 ClusterNode.objects.filter(node_id=node_id).update(**changes)
     return ClusterNode.objects.get(node_id=node_id)
 
 
+DOWN_AFTER_HEARTBEATS = 3
+
+
+def node_down_after(heartbeat_ms: int | None) -> timedelta:
+    """How long a node may be silent before it is DOWN: three of its heartbeat intervals (as
+    its heartbeats announce them, else REACH_HEARTBEAT_MS)."""
+    return timedelta(milliseconds=DOWN_AFTER_HEARTBEATS
+                     * (heartbeat_ms or settings.REACH_HEARTBEAT_MS))
+
+
 def nodes_sweep(*, now: datetime | None = None) -> int:
-    """Nodes not heard from within a lease TTL become SILENT (only once the console itself
-    has heard the bus that long). Returns how many changed."""
+    """Nodes silent for three heartbeat intervals become DOWN, judged only over time the
+    console itself heard the bus (its own deafness is no node's silence). A heartbeat makes
+    a node ONLINE again (node_seen). Returns how many changed."""
     now = now or timezone.now()
-    if lapse_cutoff(now, bus_heard_since(now=now)) is None:
+    heard_since = bus_heard_since(now=now)
+    if heard_since is None:
         return 0
-    return ClusterNode.objects.filter(
-        status=ClusterNode.Status.ONLINE, last_seen_at__lt=now - _lease_ttl()
-    ).update(status=ClusterNode.Status.SILENT)
+    # Nodes are few (one row a machine or process): judged here, each by its own interval,
+    # then changed in one guarded statement.
+    down = [
+        pk for pk, last_seen, beat_ms in ClusterNode.objects.filter(
+            status=ClusterNode.Status.ONLINE, last_seen_at__isnull=False,
+        ).values_list("pk", "last_seen_at", "heartbeat_ms")
+        if max(last_seen, heard_since) < now - node_down_after(beat_ms)
+    ]
+    if not down:
+        return 0
+    return ClusterNode.objects.filter(pk__in=down, status=ClusterNode.Status.ONLINE).update(
+        status=ClusterNode.Status.DOWN)
 
 
-def node_retire(*, node_id: str, retired: bool = True) -> ClusterNode:
+def node_retire(*, node_id: str, retired: bool = True, actor: str = "") -> ClusterNode:
+    """Take a node out of service (its agents are STALE at once: no new work), or put it back
+    (UNKNOWN until its next heartbeat or reconciliation says more). Audited with the
+    change."""
+    verdict = ((Consistency.STALE, f"node {node_id} is retired") if retired else
+               (Consistency.UNKNOWN, f"node {node_id} was put back in service; not judged yet"))
     with transaction.atomic():
-        if not ClusterNode.objects.filter(node_id=node_id).update(retired=retired):
+        if not ClusterNode.objects.filter(node_id=node_id).update(
+                retired=retired, consistency=verdict[0], consistency_reason=verdict[1][:300]):
             raise NodeNotFound(errors.NODE_NOT_FOUND.format(node_id=node_id))
+        audit_record(actor=actor, action="retire-node" if retired else "unretire-node",
+                     target=node_id)
     return ClusterNode.objects.get(node_id=node_id)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from roster import services
+from roster import reconcile, services
+from roster.models import Reconciliation
 
 
 @shared_task(name="roster.tasks.leases_expire", ignore_result=True)
@@ -16,3 +17,8 @@ def leases_expire() -> dict[str, int]:
 @shared_task(name="roster.tasks.nodes_sweep", ignore_result=True)
 def nodes_sweep() -> int:
     return services.nodes_sweep()
+
+
+@shared_task(name="roster.tasks.cluster_reconcile", ignore_result=True)
+def cluster_reconcile() -> dict[str, int]:
+    return reconcile.cluster_reconcile(trigger=Reconciliation.Trigger.SCHEDULE).counts

@@ -9,4 +9,7 @@ urlpatterns = [
     path("agents/<str:agent_id>/drain", views.agent_drain, name="drain"),
     path("agents/<str:agent_id>/deregister", views.agent_deregister, name="deregister"),
     path("cluster/", views.nodes, name="nodes"),
+    path("cluster/reconcile", views.cluster_reconcile_now, name="reconcile"),
+    path("cluster/nodes/<str:node_id>/drain", views.node_drain, name="node_drain"),
+    path("cluster/nodes/<str:node_id>/retire", views.node_retire, name="node_retire"),
 ]

@@ -8,22 +8,28 @@ from django.core.cache import cache
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
+from django.utils.http import urlencode
 from django.views.decorators.http import require_GET, require_POST
 from django.views.decorators.vary import vary_on_headers
 
 from reachconsole.core.audit import audit_record
 from roster import services
 from roster.errors import RosterError
-from roster.models import Agent, RosterEvent
+from roster.models import Agent, ClusterNode, Reconciliation, RosterEvent
+from roster.reconcile import cluster_reconcile, last_reconciliation
 from roster.selectors import (
     AgentFilter,
     agents_filter,
+    agents_page,
     filter_choices,
-    nodes_with_agents,
+    node_counts,
+    node_problems,
+    recent_conflicts,
     roster_counts,
 )
 
-PAGE_SIZE = 500
+PAGE_SIZE = 100
+PROBLEMS_PER_NODE = 10
 
 
 def _filter_from(request: HttpRequest) -> AgentFilter:
@@ -43,13 +49,17 @@ def _filter_from(request: HttpRequest) -> AgentFilter:
 def health(request: HttpRequest) -> HttpResponse:
     flt = _filter_from(request)
     now = timezone.now()
-    agents = agents_filter(flt, now=now)
-    total = agents.count()
+    after = request.GET.get("after", "")[:300]
+    page = agents_page(flt, after=after, size=PAGE_SIZE, now=now)
+    query = flt.as_query()
     context = {
         # Written by the MQTT bridge (messages app) when the broker reports dropped messages.
         "broker_drops": cache.get("broker-drops"),
-        "agents": agents[:PAGE_SIZE], "total": total, "shown": min(total, PAGE_SIZE),
-        "counts": roster_counts(now=now), "flt": flt, "query": flt.as_query(),
+        "agents": page.agents, "total": agents_filter(flt, now=now).count(),
+        "after": after, "after_query": urlencode({"after": after}),
+        "next_query": urlencode({**query, "after": page.next_cursor}) if page.next_cursor
+        else "", "first_query": urlencode(query),
+        "counts": roster_counts(now=now), "flt": flt, "query": query,
         "choices": filter_choices(), "now": now,
     }
     if request.htmx and request.htmx.target == "roster-live":
@@ -63,8 +73,12 @@ def agent_detail(request: HttpRequest, agent_id: str) -> HttpResponse:
     agent = get_object_or_404(Agent.objects.select_related("node", "namespace"), agent_id=agent_id)
     events = RosterEvent.objects.filter(agent_id=agent.agent_id)[:50]
     can_drain = request.user.has_perm("roster.change_agent")
+    now = timezone.now()
+    conflicts = {c for found in recent_conflicts(now=now, agent_id=agent.agent_id).values()
+                 for c in found}
     return render(request, "roster/agent_detail.html", {
-        "agent": agent, "events": events, "can_drain": can_drain, "now": timezone.now(),
+        "agent": agent, "events": events, "can_drain": can_drain, "now": now,
+        "conflicts": sorted(conflicts, key=lambda c: c.claimed_by),
     })
 
 
@@ -105,14 +119,80 @@ def agent_deregister(request: HttpRequest, agent_id: str) -> HttpResponse:
 @login_required
 @vary_on_headers("HX-Request")
 def nodes(request: HttpRequest) -> HttpResponse:
+    # Summaries, not every agent: counts per node and the first problem rows, so the page
+    # and its poll cost the same for a hundred agents or tens of thousands.
     now = timezone.now()
-    node_list = list(nodes_with_agents())
-    by_node: dict[int, list[Agent]] = {}
-    for agent in Agent.objects.select_related("node").order_by("agent_id"):
-        by_node.setdefault(agent.node_id, []).append(agent)
+    node_list = list(ClusterNode.objects.order_by("node_id"))
+    counts = node_counts()
+    problems = node_problems(now=now, per_node=PROBLEMS_PER_NODE)
+    conflicts = recent_conflicts(now=now)
     for node in node_list:
-        node.agent_list = by_node.get(node.pk, [])
-    context = {"nodes": node_list, "now": now}
+        by_status = counts.get(node.pk, {})
+        node.agent_count = sum(by_status.values())
+        node.online_count = by_status.get(Agent.Status.ONLINE, 0)
+        node.draining_count = by_status.get(Agent.Status.DRAINING, 0)
+        node.offline_count = by_status.get(Agent.Status.OFFLINE, 0)
+        node.problems = problems.get(node.pk)
+        node.conflicts = conflicts.get(node.node_id, [])
+    context = {
+        "nodes": node_list, "now": now, "run": last_reconciliation(),
+        "can_reconcile": request.user.has_perm("roster.reconcile_cluster"),
+        "can_manage": request.user.has_perm("roster.manage_node"),
+    }
     if request.htmx and request.htmx.target == "nodes-live":
         return render(request, "roster/_nodes_live.html", context)
     return render(request, "roster/nodes.html", context)
+
+
+@require_POST
+@login_required
+@permission_required("roster.reconcile_cluster", raise_exception=True)
+def cluster_reconcile_now(request: HttpRequest) -> HttpResponse:
+    run = cluster_reconcile(trigger=Reconciliation.Trigger.OPERATOR,
+                            actor=request.user.get_username())
+    changed = f"{len(run.changes)} node{'s' if len(run.changes) != 1 else ''} changed class"
+    if run.authority_ok:
+        messages.success(request, f"Reconciled against {run.authority} in {run.duration_ms} ms: "
+                         f"{changed}.")
+    else:
+        messages.error(request, f"{run.detail}: every node is UNKNOWN until it answers "
+                       f"({run.authority}); nothing was marked STALE.")
+    return redirect("roster:nodes")
+
+
+@require_POST
+@login_required
+@permission_required("roster.manage_node", raise_exception=True)
+def node_drain(request: HttpRequest, node_id: str) -> HttpResponse:
+    """Phase 1 for every agent on the node: no new work from now on; each leaves when its
+    lease lapses (or is deregistered)."""
+    return _node_action(request, node_id, "drain-node")
+
+
+@require_POST
+@login_required
+@permission_required("roster.manage_node", raise_exception=True)
+def node_retire(request: HttpRequest, node_id: str) -> HttpResponse:
+    retire = request.POST.get("retired", "1") != "0"
+    return _node_action(request, node_id, "retire-node" if retire else "unretire-node")
+
+
+def _node_action(request: HttpRequest, node_id: str, action: str) -> HttpResponse:
+    actor = request.user.get_username()
+    try:
+        if action == "drain-node":
+            drained = services.node_drain(node_id=node_id, actor=actor)
+            messages.success(request, f"Node {node_id}: {len(drained)} agent(s) now draining; "
+                             "work in flight finishes.")
+        else:
+            retire = action == "retire-node"
+            services.node_retire(node_id=node_id, retired=retire, actor=actor)
+            messages.success(request, f"Node {node_id} is retired: its agents get no new work."
+                             if retire else f"Node {node_id} is back in service.")
+    except RosterError as exc:
+        # The service audits what it did, in its transaction; a refusal changed nothing and
+        # is audited here.
+        audit_record(actor=actor, action=action, target=node_id, result="refused",
+                     detail=exc.detail)
+        messages.error(request, exc.detail)
+    return redirect("roster:nodes")

@@ -50,6 +50,15 @@ class ApiClient:
         return self._call("delete", path)
 
 
+@pytest.fixture(autouse=True)
+def _no_delivery_tallies_of_earlier_tests():
+    """Readiness judges the deliveries of the last seconds, tallied in a cache that earlier
+    tests of this process (or run) shared: each test starts without theirs."""
+    from reachconsole.core.metrics import delivery_forget
+
+    delivery_forget()
+
+
 @pytest.fixture
 def api() -> ApiClient:
     return ApiClient()

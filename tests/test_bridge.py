@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MT = protocol.MessageType
 
 
-def eventually(check, timeout: float = 15.0, what: str = "condition"):
+def eventually(check, timeout: float = 15.0, what: str = "condition", detail=None):
     deadline = time.monotonic() + timeout
     value = None
     while time.monotonic() < deadline:
@@ -41,7 +41,8 @@ def eventually(check, timeout: float = 15.0, what: str = "condition"):
         if value:
             return value
         time.sleep(0.05)
-    raise AssertionError(f"{what} did not happen within {timeout} s (last: {value!r})")
+    shown = f"; {detail()!r}" if detail else ""
+    raise AssertionError(f"{what} did not happen within {timeout} s (last: {value!r}){shown}")
 
 
 @pytest.fixture
@@ -206,9 +207,12 @@ def test_a_busy_answer_reroutes_a_capability_send(bridge, live_server, mqtt_sett
             row = message_send(request=SendRequest(to="capability:tax", from_agent_id="fin.me",
                                                    payload={"n": n}))
             assert row.status == Status.SENT
+            trail = lambda row=row: [  # noqa: E731 - what a failure message shows
+                (m.direction, m.message_type, m.to_agent_id, m.status, m.error)
+                for m in Message.objects.filter(task_id=row.task_id).order_by("id")]
             eventually(lambda row=row: Message.objects.filter(
                 task_id=row.task_id, status=Status.COMPLETED).exists(),
-                what=f"task {n} completing")
+                what=f"task {n} completing", detail=trail)
             busy = Message.objects.filter(task_id=row.task_id, status=Status.BUSY)
             for b in busy:
                 retry = Message.objects.get(resend_of=b)

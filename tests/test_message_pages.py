@@ -103,7 +103,7 @@ def test_bulk_resend_previews_the_count_and_checks_it(operator):
     assert "The selection changed" in stale.content.decode()
     assert Message.objects.count() == 3
     done = operator.post("/messages/bulk-resend", {**filters, "expected": "3"}, follow=True)
-    assert "Resent 3 of 3 messages" in done.content.decode()
+    assert "Resent 3 messages as 3 new transmissions" in done.content.decode()
     assert Message.objects.filter(resend_of__in=rows, status="SENT").count() == 3
     assert AuditEntry.objects.get(action="resend-bulk").result == "ok"
 

@@ -144,10 +144,14 @@ def test_a_local_request_is_consumed_once_and_answered():
     assert all(r.status == Status.SENT and r.target_node_id == "node-b" for r in replies)
     assert replies[1].payload["ok"] is True and replies[1].payload["result"]["nodeId"] == NODE
     assert sorted(result.to_publish) == sorted(r.pk for r in replies)
-    # Delivered again (same message id), it is neither stored nor executed twice.
+    # Delivered again (same message id), it is neither stored nor executed twice: it is
+    # acknowledged as a duplicate.
     again = ingest((inbox(), wire(env)))
-    assert again.stored == 0 and again.to_publish == []
-    assert Message.objects.filter(in_reply_to=env.message_id).count() == 2
+    assert again.stored == 0 and len(again.to_publish) == 1
+    duplicate = Message.objects.get(pk=again.to_publish[0])
+    assert (duplicate.message_type, duplicate.payload) == ("ACK", {"duplicate": True})
+    assert Message.objects.filter(in_reply_to=env.message_id,
+                                  message_type="TASK_RESPONSE").count() == 1
 
 
 def test_a_repeated_idempotency_key_is_acked_as_duplicate_not_run():
@@ -215,7 +219,7 @@ def test_monitor_mode_records_traffic_between_others_with_outcomes():
         target_node_id="node-c", headers={"replyNodeId": "node-b"},
     )
     ack = protocol.new_envelope(message_type=MT.ACK, from_agent_id="llm.chat",
-                                headers={"ackFor": env.message_id})
+                                headers={"ackFor": env.message_id, "originNodeId": "node-c"})
     result = ingest((inbox("node-c"), wire(env)), (inbox("node-b"), wire(ack)))
     assert result.to_publish == []  # observed: never executed, never answered
     row = Message.objects.get(message_id=env.message_id)
@@ -230,8 +234,12 @@ def test_sixteen_writers_of_one_message_make_one_row_and_one_actor():
     results = run_at_once(lambda: ingest((inbox(), data)), threads=16)
     assert sum(r.stored for r in results) == 1
     assert Message.objects.filter(message_id=env.message_id).count() == 1
-    assert sum(len(r.to_publish) for r in results) == 2  # one ACK, one response
+    # One ACK and one response from the writer that stored it; the others acknowledge a
+    # duplicate and run nothing.
+    assert sum(len(r.to_publish) for r in results) == 2 + 15
     assert Message.objects.filter(message_type="TASK_RESPONSE").count() == 1
+    acks = Message.objects.filter(message_type="ACK", in_reply_to=env.message_id)
+    assert sorted(bool(a.payload.get("duplicate")) for a in acks) == [False] + [True] * 15
 
 
 def test_hostile_payloads_are_counted_by_reason_and_nothing_is_stored():

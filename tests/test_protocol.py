@@ -649,3 +649,57 @@ def test_a_surrogate_pair_is_text_not_a_rejection():
     raw = ('{"protocol":"a2a","version":"1.0","message":{"messageId":"m1",'
            '"messageType":"EVENT","payload":"\\ud83d\\ude00"}}')
     assert decode(raw.encode()).payload == "\U0001F600"
+
+
+# --- node ids: the three fields that become topic levels ----------------------------------------
+
+NODE_FIELDS = ("targetNodeId", "headers.replyNodeId", "headers.originNodeId")
+valid_node_ids = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
+# What would turn a topic level into a wildcard or another topic, or cannot be stored.
+_node_poison = st.sampled_from(["+", "#", "/", "\x00", "\ud800", "\udfff", " ", "\t", "\n"])
+bad_node_ids = st.one_of(
+    st.builds(lambda head, bad, tail: head + bad + tail,
+              st.text(alphabet="abc-.:_0123", max_size=10), _node_poison,
+              st.text(alphabet="abc-.:_0123", max_size=10)),
+    st.from_regex(r"\A[a-z]{129,140}\Z"),
+)
+
+
+def _with_node_ids(**ids: str) -> bytes:
+    message: dict[str, Any] = {"messageId": "m-1", "messageType": "TASK_REQUEST",
+                               "targetNodeId": ids.get("targetNodeId", "node-t"),
+                               "headers": {"replyNodeId": ids.get("headers.replyNodeId", "node-r"),
+                                           "originNodeId": ids.get("headers.originNodeId",
+                                                                   "node-o")},
+                               "payload": {"q": 1}}
+    # ensure_ascii: a lone surrogate travels as the \ud800 escape a hostile sender would use.
+    return json.dumps({"protocol": "a2a", "version": "1.0", "message": message},
+                      ensure_ascii=True).encode()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(NODE_FIELDS), bad_node_ids)
+def test_a_bad_node_id_in_any_node_field_is_always_rejected(field_name: str, node_id: str):
+    result = decode(_with_node_ids(**{field_name: node_id}))
+    assert isinstance(result, Rejection)
+    assert result.reason == Reject.BAD_NODE_ID and field_name in result.detail
+    assert result.message_id == "m-1" and result.message_type == MessageType.TASK_REQUEST
+    # A refusal is answered only to a valid origin: never to a topic built from this one.
+    assert result.origin_node_id == (None if field_name == "headers.originNodeId" else "node-o")
+
+
+@settings(max_examples=300, deadline=None)
+@given(valid_node_ids, valid_node_ids, valid_node_ids)
+def test_valid_node_ids_are_always_accepted(target: str, reply: str, origin: str):
+    raw = _with_node_ids(**{"targetNodeId": target, "headers.replyNodeId": reply,
+                            "headers.originNodeId": origin})
+    env = decode(raw)
+    assert isinstance(env, Envelope)
+    assert (env.target_node_id, env.reply_node_id, env.origin_node_id) == (target, reply, origin)
+    for node_id in (target, reply, origin):
+        assert inbox_topic("ooder", node_id) == f"ooder/node/{node_id}/inbox"
+    # Rejected for something else, the message still names its origin, to be answered.
+    poisoned = raw.replace(b'{"q": 1}', b'{"q": "a\\u0000b"}')
+    rejection = decode(poisoned)
+    assert isinstance(rejection, Rejection) and rejection.reason == Reject.NUL_CHARACTER
+    assert rejection.origin_node_id == origin

@@ -202,6 +202,9 @@ def test_it_tracks_nodes_seen_and_silent(now, settings):
     services.node_seen(node_id="node-a", now=later(now, 100))
     node = ClusterNode.objects.get()
     assert node.last_seen_at == later(now, 100) and node.heartbeat_ms == 5000
-    assert services.nodes_sweep(now=later(now, settings.REACH_LEASE_TTL_MS)) == 0
-    assert services.nodes_sweep(now=later(now, settings.REACH_LEASE_TTL_MS + 200)) == 1
-    assert ClusterNode.objects.get().status == ClusterNode.Status.SILENT
+    # Down after three of its own heartbeat intervals of silence, not a moment before.
+    assert services.nodes_sweep(now=later(now, 100 + 3 * 5000)) == 0
+    assert services.nodes_sweep(now=later(now, 100 + 3 * 5000 + 1)) == 1
+    assert ClusterNode.objects.get().status == ClusterNode.Status.DOWN
+    services.node_seen(node_id="node-a", now=later(now, 20_000))
+    assert ClusterNode.objects.get().status == ClusterNode.Status.ONLINE
