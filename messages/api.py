@@ -15,6 +15,7 @@ from pydantic import BeforeValidator, ConfigDict
 from directory.routing import namespace_of
 from messages.models import Message
 from messages.outbound import (
+    CAPABILITY_PREFIX,
     SendRefused,
     SendRequest,
     message_send,
@@ -33,7 +34,6 @@ from roster.services import agent_id_parse
 router = Router(tags=["a2a"])
 
 
-CAPABILITY_PREFIX = "capability:"
 # What `to` may be: an agent id, `@mention`, `capability:name` or `#group`.
 TO_PATTERN = (rf"^(?:{CAPABILITY_PREFIX}{NAME}|#{NAME}|@.+|"
               rf"{AGENT_ID_INPUT_PATTERN.removeprefix('^').removesuffix('$')})$")

@@ -407,6 +407,8 @@ def _request_to_console(row: ReceivedRow, acts: _Acts) -> None:
 MAX_DRAIN_AGENTS = 1000
 DRAIN_AGENT_IDS = ('payload.agentIds must be a list of 1 to {limit} agent ids, e.g. '
                    '["fin.tax"]; got {got}')
+DRAIN_CONSOLE_NODE = ("nothing drained: node {node_id} is the console's own node; its agents "
+                      "are the console's and are not drained over the bus")
 DRAIN_NO_ORIGIN = ("not done: a DRAIN needs headers.originNodeId, the node whose agents to "
                    "drain (a node drains only the agents it hosts)")
 
@@ -442,6 +444,10 @@ def _drains_apply(rows: list[ReceivedRow], *, now: datetime, counts: Counter
 def _drain(row: ReceivedRow, *, now: datetime) -> DrainAnswer:
     if not row.origin_node_id:
         return _drain_refused(DRAIN_NO_ORIGIN)
+    if row.origin_node_id == settings.REACH_NODE_ID:
+        # The console sends no DRAIN: one naming its node as origin is forged, and its
+        # agents are the console's, stopped with it and never drained over the bus.
+        return _drain_refused(DRAIN_CONSOLE_NODE.format(node_id=row.origin_node_id))
     payload = row.wire_payload if isinstance(row.wire_payload, dict) else {}
     raw = payload.get("agentIds")
     if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_DRAIN_AGENTS:

@@ -127,6 +127,16 @@ def test_a_drain_without_its_origin_is_nacked(now):
     assert Agent.objects.get(agent_id="fin.tax").status == Agent.Status.ONLINE
 
 
+def test_a_drain_naming_the_consoles_node_as_origin_drains_nothing(now):
+    register("ops.probe", settings.REACH_NODE_ID, now=now)
+    env = drain(["ops.probe"], origin=settings.REACH_NODE_ID)
+    ingest((INBOX, protocol.encode(env)))
+    nack = answer_to(env)
+    assert nack.message_type == "NACK"
+    assert "the console's own node" in nack.payload["reason"]
+    assert Agent.objects.get(agent_id="ops.probe").status == Agent.Status.ONLINE
+
+
 def test_a_repeated_drain_is_a_duplicate_not_done_again(now):
     register("fin.tax", "node-b", now=now)
     env = drain(["fin.tax"])
