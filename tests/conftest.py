@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from reachconsole.core.tokens import tokens_parse
 from roster import services
-from tests.mqtt import broker, mqtt_settings  # noqa: F401 - fixtures for every test module
+from tests.mqtt import bridge, broker, mqtt_settings  # noqa: F401 - fixtures for every module
 
 TOKEN = "test-token-aaaaaaaaaaaaaaaa"
 ROTATED_TOKEN = "test-token-bbbbbbbbbbbbbbbb"
@@ -71,6 +71,22 @@ def now() -> datetime:
 
 def register(agent_id: str, node_id: str = "node-a", *, now: datetime | None = None, **extra):
     return services.agent_register(agent_id=agent_id, node_id=node_id, now=now, **extra).agent
+
+
+def staff_user(username: str, *codenames: str):
+    """A person with exactly these permissions (by codename), and a password nobody uses."""
+    from django.contrib.auth.models import Permission, User
+
+    user = User.objects.create_user(username, password=f"pw-{username}-123")
+    user.user_permissions.add(*Permission.objects.filter(codename__in=codenames))
+    return user
+
+
+def logged_in(user, **kwargs) -> Client:
+    """A browser session of `user` (Client options, e.g. enforce_csrf_checks, in kwargs)."""
+    client = Client(**kwargs)
+    client.force_login(user)
+    return client
 
 
 def later(moment: datetime, ms: int) -> datetime:

@@ -64,3 +64,20 @@ def mqtt_settings(settings, broker):
     settings.MQTT_TOPIC_PREFIX = f"t{uuid.uuid4().hex[:10]}"
     settings.REACH_NODE_ID = "console"
     return settings
+
+
+@pytest.fixture
+def bridge(mqtt_settings):
+    """A real bridge of the console on the test's broker (every module may use it)."""
+    from messages.bridge import Bridge
+
+    instance = Bridge(
+        url=settings.MQTT_URL, node_id="console", prefix=settings.MQTT_TOPIC_PREFIX,
+        instance=uuid.uuid4().hex[:8], protocol_version=settings.MQTT_PROTOCOL,
+        heartbeat_ms=200,
+    )
+    instance.start()
+    assert instance.wait_connected(10)
+    yield instance
+    instance.stop()
+

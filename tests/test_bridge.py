@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 from django.conf import settings
@@ -27,9 +26,9 @@ from reachconsole.dev.simulator import Knobs, SimulatedCluster
 from roster.models import Agent, ClusterNode
 from tests.conftest import TOKEN, register, stop_process
 from tests.mqtt import free_port
+from tests.processes import ROOT, database_url
 
 pytestmark = pytest.mark.django_db(transaction=True)
-ROOT = Path(__file__).resolve().parent.parent
 MT = protocol.MessageType
 
 
@@ -43,19 +42,6 @@ def eventually(check, timeout: float = 15.0, what: str = "condition", detail=Non
         time.sleep(0.05)
     shown = f"; {detail()!r}" if detail else ""
     raise AssertionError(f"{what} did not happen within {timeout} s (last: {value!r}){shown}")
-
-
-@pytest.fixture
-def bridge(mqtt_settings):
-    instance = Bridge(
-        url=settings.MQTT_URL, node_id="console", prefix=settings.MQTT_TOPIC_PREFIX,
-        instance=uuid.uuid4().hex[:8], protocol_version=settings.MQTT_PROTOCOL,
-        heartbeat_ms=200,
-    )
-    instance.start()
-    assert instance.wait_connected(10)
-    yield instance
-    instance.stop()
 
 
 @pytest.fixture
@@ -133,14 +119,6 @@ def test_garbage_is_counted_and_the_bridge_keeps_working(bridge, broker, client)
     assert f'reach_bridge_connected{{instance="{bridge.client_id}"}} 1' in text
 
 
-def _database_url() -> str:
-    db = connection.settings_dict
-    if connection.vendor == "sqlite":
-        return f"sqlite:///{db['NAME']}"
-    auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
-    return f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
-
-
 def _start_bridge(env: dict[str, str], log) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "manage.py", "mqtt_bridge"], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT)
@@ -150,7 +128,7 @@ def test_a_killed_bridge_loses_nothing(mqtt_settings, broker, tmp_path):
     """kill -9 in the middle of a burst, publish more while it is down, start it again:
     every message is in the table exactly once."""
     total, kill_at = 1000, 300
-    env = {**os.environ, "DATABASE_URL": _database_url(), "MQTT_URL": settings.MQTT_URL,
+    env = {**os.environ, "DATABASE_URL": database_url(), "MQTT_URL": settings.MQTT_URL,
            "MQTT_PROTOCOL": settings.MQTT_PROTOCOL, "MQTT_TOPIC_PREFIX": settings.MQTT_TOPIC_PREFIX,
            "REACH_NODE_ID": "console", "REACH_BRIDGE_INSTANCE": f"kill-{uuid.uuid4().hex[:6]}",
            "REACH_RUN_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}

@@ -8,77 +8,28 @@ that the console stays correct under the load.
 from __future__ import annotations
 
 import http.client
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
-from urllib.parse import quote
 
 import pytest
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.db import connection
 from django.test import Client
 
-from tests.conftest import TOKEN, register, stop_process
-from tests.mqtt import free_port
+from tests.conftest import TOKEN, register
+from tests.processes import HOST, daphne_serving
 
-ROOT = Path(__file__).resolve().parent.parent
 READERS = 200
 SECONDS = 15.0
-HOST = "127.0.0.1"
-
-
-def database_url() -> str:
-    """The test database pytest-django made (the data below is committed there)."""
-    db = connection.settings_dict
-    if connection.vendor == "sqlite":
-        return f"sqlite:///{db['NAME']}"
-    auth = quote(db["USER"] or "", safe="")
-    if db["PASSWORD"]:
-        auth += ":" + quote(db["PASSWORD"], safe="")
-    return f"postgres://{auth}@{db['HOST'] or HOST}:{db['PORT'] or 5432}/{db['NAME']}"
-
-
-def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "daphne exited before it answered"
-        try:
-            conn = http.client.HTTPConnection(HOST, port, timeout=2)
-            conn.request("GET", "/healthz")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"daphne did not answer on {port} within {timeout} s")
 
 
 @pytest.fixture
 def daphne(tmp_path):
-    port = free_port()
-    env = {**os.environ, "DATABASE_URL": database_url(), "DJANGO_SECRET_KEY": settings.SECRET_KEY,
-           "REACH_SERVICE_TOKENS": TOKEN, "REACH_RUN_DIR": str(tmp_path),
-           "REACH_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1",
-           # A request waits in the pool's queue; on a busy box that wait is what grows, and
-           # its 10 s default is a speed goal (bench/readers.py), not what this test checks.
-           "REACH_DB_POOL_TIMEOUT_S": "60"}
-    log = open(tmp_path / "daphne.log", "w+")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "daphne"), "-b", HOST, "-p", str(port),
-         "reachconsole.asgi:application"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_healthy(port, proc)
-        yield port, tmp_path / "daphne.log"
-    finally:
-        stop_process(proc)
-        log.close()
+    # A request waits in the pool's queue; on a busy box that wait is what grows, and its
+    # 10 s default is a speed goal (bench/readers.py), not what this test checks.
+    with daphne_serving(tmp_path, REACH_DB_POOL_TIMEOUT_S="60") as served:
+        yield served
 
 
 def read_for(port: int, headers: dict[str, dict[str, str]], seconds: float) -> tuple:

@@ -17,7 +17,6 @@ from messages.inbound import Incoming, messages_ingest
 from messages.models import Message, Status
 from messages.outbox import outbox_claim, outbox_release_responses
 from tests.conftest import register
-from tests.test_bridge import bridge  # noqa: F401 - the fixture
 
 MT = protocol.MessageType
 
@@ -43,7 +42,7 @@ def test_wait_on_a_console_agent_answers_with_its_response(api):
 
 @pytest.mark.django_db(transaction=True)
 def test_wait_that_times_out_reports_the_status_the_request_has_reached(
-        bridge, broker, api):  # noqa: F811 - the fixture imported above
+        bridge, broker, api):
     """A node that acknowledges and never responds: the wait ends with the request's real
     status, ACKED, not the SENT it started from."""
     register("fin.slow", "node-slow")
@@ -92,7 +91,7 @@ def test_the_response_of_a_console_agent_waits_until_the_broker_has_its_ack():
 
 
 @pytest.mark.django_db(transaction=True)
-def test_on_the_bus_the_console_acks_a_request_before_it_responds(bridge, broker):  # noqa: F811
+def test_on_the_bus_the_console_acks_a_request_before_it_responds(bridge, broker):
     """A node subscribed to its inbox hears, for each request, the ACK and then the
     TASK_RESPONSE."""
     heard: queue.Queue = queue.Queue()

@@ -9,6 +9,7 @@ from django.test import Client
 from django.utils.html import escape
 
 from reachconsole import error_pages
+from tests.conftest import logged_in
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
@@ -23,12 +24,6 @@ def _no_debug(settings):
 @pytest.fixture
 def viewer() -> User:
     return User.objects.create_user("victor", password="pw-victor-123")
-
-
-def logged_in(user: User, **kwargs) -> Client:
-    client = Client(**kwargs)
-    client.force_login(user)
-    return client
 
 
 def assert_console_page(response, status: int, words: str) -> str:

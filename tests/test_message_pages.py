@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import User
 from django.test import Client
 
 from messages.models import Message, Status
 from messages.outbound import SendRequest, message_send
 from reachconsole.core.audit import AuditEntry
 from roster import services
-from tests.conftest import register
+from tests.conftest import logged_in, register, staff_user
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 XSS = '<img src=x onerror="window.pwned=1">'
@@ -18,11 +18,7 @@ XSS = '<img src=x onerror="window.pwned=1">'
 
 @pytest.fixture
 def operator() -> Client:
-    user = User.objects.create_user("olga", password="pw-olga-123")
-    user.user_permissions.add(Permission.objects.get(codename="resend_message"))
-    client = Client()
-    client.force_login(user)
-    return client
+    return logged_in(staff_user("olga", "resend_message"))
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ from django.db.models import Count, F
 from prometheus_client.parser import text_string_to_metric_families
 
 from messages import protocol
-from messages.bridge import Bridge
 from messages.models import Direction, Message, Status, Transition
 from messages.outbound import SendRequest, messages_send
 from reachconsole.core.metrics import (
@@ -36,7 +35,8 @@ from reachconsole.dev.simulator import Knobs, SimulatedCluster
 from roster.models import Agent, ClusterNode
 from tests.conftest import TOKEN, expect_real_services, stop_process
 from tests.mqtt import free_port
-from tests.test_bridge import _database_url, eventually
+from tests.processes import database_url
+from tests.test_bridge import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,19 +63,6 @@ def metrics(client) -> dict:
 
 def delta(after: dict, before: dict, name: str, **labels) -> float:
     return value(after, name, **labels) - value(before, name, **labels)
-
-
-@pytest.fixture
-def bridge(mqtt_settings):
-    instance = Bridge(
-        url=settings.MQTT_URL, node_id="console", prefix=settings.MQTT_TOPIC_PREFIX,
-        instance=uuid.uuid4().hex[:8], protocol_version=settings.MQTT_PROTOCOL,
-        heartbeat_ms=200,
-    )
-    instance.start()
-    assert instance.wait_connected(10)
-    yield instance
-    instance.stop()
 
 
 def test_the_metrics_parse_and_carry_a_simulated_run(bridge, live_server, mqtt_settings,
@@ -248,7 +235,7 @@ def test_a_count_is_made_once_and_every_process_shows_it(mqtt_settings, broker, 
         pytest.skip("processes share counters through Redis; embedded defaults are one process")
     instance = f"mp-{uuid.uuid4().hex[:6]}"
     port = free_port()
-    env = {**os.environ, "DATABASE_URL": _database_url(), "REDIS_URL": settings.REDIS_URL,
+    env = {**os.environ, "DATABASE_URL": database_url(), "REDIS_URL": settings.REDIS_URL,
            "REACH_CONSOLE_ID": settings.REACH_CONSOLE_ID, "MQTT_URL": settings.MQTT_URL,
            "MQTT_PROTOCOL": settings.MQTT_PROTOCOL,
            "MQTT_TOPIC_PREFIX": settings.MQTT_TOPIC_PREFIX, "REACH_NODE_ID": "console",

@@ -15,12 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from django.conf import settings
 
 from roster import services
-from tests.conftest import TOKEN, register, stop_process
-from tests.mqtt import free_port
-from tests.test_concurrent_readers import HOST, ROOT, database_url, wait_healthy
+from tests.conftest import TOKEN, register
+from tests.processes import HOST, daphne_serving
 
 EXAMPLES = int(os.environ.get("REACH_FUZZ_EXAMPLES", "25"))
 # A fixed seed: CI runs the same cases every time, so a failure is the code's, not luck's.
@@ -29,24 +27,9 @@ SEED = os.environ.get("REACH_FUZZ_SEED", "20261130")
 
 @pytest.fixture
 def daphne(tmp_path):
-    port = free_port()
-    env = {**os.environ, "DATABASE_URL": database_url(), "DJANGO_SECRET_KEY": settings.SECRET_KEY,
-           "REACH_SERVICE_TOKENS": TOKEN, "REACH_RUN_DIR": str(tmp_path),
-           "REACH_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1",
-           # Nodes' agents are judged on the clock: no bridge runs in this test.
-           "REACH_JUDGE_BY_CLOCK": "1"}
-    log = open(tmp_path / "daphne.log", "w+")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "daphne"), "-b", HOST, "-p", str(port),
-         "reachconsole.asgi:application"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_healthy(port, proc)
-        yield port, tmp_path / "daphne.log"
-    finally:
-        stop_process(proc)
-        log.close()
+    # Nodes' agents are judged on the clock: no bridge runs in this test.
+    with daphne_serving(tmp_path, REACH_JUDGE_BY_CLOCK="1") as served:
+        yield served
 
 
 @pytest.mark.timeout(900)

@@ -19,7 +19,8 @@ from messages.outbound import SendRequest, message_send
 from messages.outbox import outbox_claim
 from messages.sweeps import deliveries_sweep
 from tests.conftest import register, run_at_once, stop_process
-from tests.test_bridge import _database_url, eventually
+from tests.processes import database_url
+from tests.test_bridge import eventually
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,7 +41,7 @@ def test_the_stock_prefork_worker_publishes(mqtt_settings, broker, tmp_path):
 
     listener.on_message = on_message
     listener.subscribe(protocol.inbox_topic(settings.MQTT_TOPIC_PREFIX, "node-w"), qos=1)
-    env = {**os.environ, "DATABASE_URL": _database_url(), "MQTT_URL": settings.MQTT_URL,
+    env = {**os.environ, "DATABASE_URL": database_url(), "MQTT_URL": settings.MQTT_URL,
            "MQTT_PROTOCOL": settings.MQTT_PROTOCOL,
            "MQTT_TOPIC_PREFIX": settings.MQTT_TOPIC_PREFIX, "REACH_NODE_ID": "console",
            "REACH_BRIDGE_INSTANCE": f"prefork-{uuid.uuid4().hex[:6]}",

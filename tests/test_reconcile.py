@@ -12,7 +12,7 @@ from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import User
 from django.test import Client
 
 from directory.resolver import resolve_agent_node
@@ -22,7 +22,7 @@ from reachconsole.core.audit import AuditEntry
 from roster import services
 from roster.models import Agent, ClusterNode, Consistency, Reconciliation, RosterEvent
 from roster.reconcile import cluster_reconcile
-from tests.conftest import TOKEN, ApiClient, later, register
+from tests.conftest import TOKEN, ApiClient, later, logged_in, register, staff_user
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
@@ -229,12 +229,7 @@ def test_two_runs_at_once_record_each_change_once(authority, cluster, now):
 
 @pytest.fixture
 def operator() -> Client:
-    user = User.objects.create_user("olga", password="pw-olga-123")
-    user.user_permissions.add(*Permission.objects.filter(
-        codename__in=["reconcile_cluster", "manage_node"]))
-    client = Client()
-    client.force_login(user)
-    return client
+    return logged_in(staff_user("olga", "reconcile_cluster", "manage_node"))
 
 
 def test_an_operator_reconciles_from_the_cluster_page_and_it_is_audited(operator, authority,

@@ -4,7 +4,6 @@ members, and a bulk resend is all or nothing, audited, on the page and over the 
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth.models import Permission, User
 from django.test import Client
 
 from messages.models import Message, Status
@@ -17,18 +16,14 @@ from messages.outbound import (
 )
 from reachconsole.core.audit import AuditEntry
 from roster.models import Agent, Namespace
-from tests.conftest import FIN_TOKEN, ApiClient, register
+from tests.conftest import FIN_TOKEN, ApiClient, logged_in, register, staff_user
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
 
 @pytest.fixture
 def operator() -> Client:
-    user = User.objects.create_user("olga", password="pw-olga-123")
-    user.user_permissions.add(Permission.objects.get(codename="resend_message"))
-    client = Client()
-    client.force_login(user)
-    return client
+    return logged_in(staff_user("olga", "resend_message"))
 
 
 @pytest.fixture

@@ -1,14 +1,13 @@
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth.models import Permission, User
-from django.test import Client
+from django.contrib.auth.models import User
 
 from reachconsole.core.audit import AuditEntry
 from roster import services
 from roster.errors import AGENT_NOT_FOUND
 from roster.models import Agent, RosterEvent
-from tests.conftest import register
+from tests.conftest import logged_in, register, staff_user
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
@@ -17,20 +16,12 @@ XSS = '<img src=x onerror="window.pwned=1">'
 
 @pytest.fixture
 def operator() -> User:
-    user = User.objects.create_user("olga", password="pw-olga-123")
-    user.user_permissions.add(Permission.objects.get(codename="change_agent"))
-    return user
+    return staff_user("olga", "change_agent")
 
 
 @pytest.fixture
 def viewer() -> User:
     return User.objects.create_user("victor", password="pw-victor-123")
-
-
-def logged_in(user: User, **kwargs) -> Client:
-    client = Client(**kwargs)
-    client.force_login(user)
-    return client
 
 
 def test_it_requires_login(client):
