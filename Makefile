@@ -14,8 +14,12 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# `make run PORT=8001` serves on another port; `MQTT_PORT=1884` moves the embedded broker.
+PORT ?= 8000
+MQTT_PORT ?=
+
 run: $(STAMP)
-	$(BIN)/python manage.py runconsole
+	$(if $(MQTT_PORT),REACH_EMBEDDED_MQTT_PORT=$(MQTT_PORT) )$(BIN)/python manage.py runconsole --port $(PORT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -156,8 +156,11 @@ def rows_measure(conn: psycopg.Connection, table: str, run: str) -> dict[str, An
 
 # --- the broker -------------------------------------------------------------------------------
 def mqtt_client(client_id: str) -> mqtt.Client:
-    return mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
-                       protocol=mqtt.MQTTv5)
+    # The console's own factory (after django_setup): MQTT_USERNAME / MQTT_PASSWORD apply.
+    from messages.mqtt_client import broker_target
+    from messages.mqtt_client import mqtt_client as build
+
+    return build(target=broker_target(common.MQTT_URL, protocol="5"), client_id=client_id)
 
 
 def connect_wait(client: mqtt.Client, *, properties: Properties | None = None,

@@ -1,5 +1,5 @@
 """`make bench`: check the services, then bench/resolve.py, layers.py, ingest.py,
-backpressure.py, leases.py and roster_pages.py.
+backpressure.py, leases.py, roster_pages.py, stream_latency.py, bridges.py and timeline.py.
 
 Each bench runs in its own process (ingest.py sets Django up against the bench database;
 layers.py needs no database) and writes its JSON into bench/results/. A service that is not
@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     codes.append(bench("backpressure.py", *(["--strict"] if args.strict else [])))
     codes.append(bench("leases.py", *(["--strict"] if args.strict else [])))
     codes.append(bench("roster_pages.py", *(["--strict"] if args.strict else [])))
+    codes.append(bench("stream_latency.py", *(["--strict"] if args.strict else [])))
+    codes.append(bench("bridges.py"))  # one bridge vs two (shared subscriptions)
+    # Its own database (reachconsole_timeline_bench): loading 1,000,000 rows takes minutes.
+    codes.append(bench("timeline.py", *(["--strict"] if args.strict else [])))
     if any(code == 1 or code < 0 for code in codes):
         print("\nBENCH FAILED: a bench did not run to the end (see above)", file=sys.stderr)
         return 1

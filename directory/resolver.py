@@ -116,13 +116,18 @@ def agent_row(agent: Agent) -> dict:
             "node__consistency_reason": agent.node.consistency_reason}
 
 
-def candidate_for(agent: Agent | dict, now: datetime) -> Candidate:
-    """Whether this agent can take new work now, and why not."""
+def candidate_for(agent: Agent | dict, now: datetime, *, accepted: bool = False) -> Candidate:
+    """Whether this agent can take new work now, and why not.
+
+    `accepted`: the work was already accepted for this agent (held behind its maxInflight,
+    or a retry of an attempt sent to it). A drain stops new work only, so a DRAINING agent
+    still takes that while the rest holds (lease, node); the drain's promise that accepted
+    work finishes on it is kept here, in the one place that judges agents."""
     row = agent_row(agent) if isinstance(agent, Agent) else agent
     load = row["inflight"] / row["max_inflight"] if row["max_inflight"] else 1.0
     common = {"namespace": row["namespace__name"], "load": load}
     agent_id, node_id, status = row["agent_id"], row["node__node_id"], row["status"]
-    if status == Agent.Status.DRAINING:
+    if status == Agent.Status.DRAINING and not accepted:
         return Candidate(agent_id, node_id, status, False, "draining: it takes no new work",
                          **common)
     heard_since = bus_heard_since(now=now)
@@ -147,6 +152,10 @@ def candidate_for(agent: Agent | dict, now: datetime) -> Candidate:
     if stale and seen < stale:
         return Candidate(agent_id, node_id, "STALE", False,
                          f"stale: no heartbeat for {int((now - seen).total_seconds())} s",
+                         **common)
+    if status == Agent.Status.DRAINING:
+        return Candidate(agent_id, node_id, status, True,
+                         "draining, but this work was accepted for it before the drain",
                          **common)
     return Candidate(agent_id, node_id, status, True, "live", **common)
 
@@ -413,10 +422,13 @@ def resolve(*, mention: str | None = None, target_node_id: str | None = None,
 
 
 def resolve_agent_node(
-    *, to_agent_id: str, target_node_id: str | None = None, now: datetime | None = None
+    *, to_agent_id: str, target_node_id: str | None = None, now: datetime | None = None,
+    accepted: bool = False,
 ) -> Resolution:
     """The node that receives work addressed to an exact agent id: the explicit node first,
-    else the roster's node for the agent; nothing else (no alias or fuzzy fall-back)."""
+    else the roster's node for the agent; nothing else (no alias or fuzzy fall-back).
+    `accepted`: work already accepted for this agent, which a drain lets finish on it
+    (candidate_for)."""
     now = now or timezone.now()
     local_node = settings.REACH_NODE_ID
     if is_local_agent(to_agent_id) and target_node_id in (None, "", local_node):
@@ -426,7 +438,7 @@ def resolve_agent_node(
         return Resolution(None, None, None,
                           f"no agent {to_agent_id} is on the roster; check the id or register "
                           "the agent", outcome=NOT_FOUND)
-    candidate = candidate_for(agents[0], now)
+    candidate = candidate_for(agents[0], now, accepted=accepted)
     node_id = candidate.node_id
     if target_node_id and node_id != target_node_id:
         return Resolution(

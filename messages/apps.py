@@ -6,3 +6,11 @@ class A2AConfig(AppConfig):
     name = "messages"
     label = "a2a"
     verbose_name = "A2A messages"
+
+    def ready(self) -> None:
+        # The roster shows the load the console routes by; it may not import this app, so
+        # the reader is handed to it here (roster/loads.py).
+        from messages.load import loads_kept
+        from roster.loads import kept_counts_register
+
+        kept_counts_register(loads_kept)

@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
-from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
 import redis.exceptions
@@ -41,11 +40,19 @@ from paho.mqtt.properties import Properties
 
 from directory.resolver import LOCAL_AGENTS
 from messages import protocol
+from messages.broker_caps import REFRESH_S, SYS_WAIT_S, broker_caps_record, connack_caps
 from messages.delivery import ack_deadline
 from messages.events import events_on_commit
 from messages.handlers import LOCAL_HANDLERS
 from messages.inbound import Incoming, messages_ingest
+from messages.ingest_lock import IngestLock
 from messages.models import Message, Status
+from messages.mqtt_client import (
+    broker_target,
+    connect_failure_reason,
+    mqtt_client,
+    refusal_reason,
+)
 from messages.outbox import (
     OutboxListener,
     outbox_claim,
@@ -55,7 +62,7 @@ from messages.outbox import (
     outbox_unsubscribe,
 )
 from messages.rows import envelope_from_row
-from messages.state import Change, changes_apply
+from messages.state import Change, changes_apply, late_pubacks_record
 from reachconsole.core.logs import log_fields
 from reachconsole.core.metrics import LocalCounter
 from roster.hearing import hearing_lost, hearing_record
@@ -68,6 +75,10 @@ BROKER_DROPPED_TOPIC = "$SYS/broker/publish/messages/dropped"
 BROKER_DROPS_KEY = "broker-drops"
 BROKER_DROPS_ALARM_S = 3600  # how long the pages show the alarm after the last drop
 RETRY_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+# How bridges split the inbound topics (README "Scaling out"): "auto" shares them when the
+# broker can (MQTT 5 without SharedSubscriptionAvailable = 0), else one bridge ingests.
+INGEST_CHOICES = ("auto", "shared", "single")
+LOCK_TRY_EVERY_S = 1.0  # single mode: how often a standby tries the lock, the holder checks it
 # The database or the cache (Redis: the idempotency window) is down: wait, don't skip.
 INFRA_DOWN = (OperationalError, InterfaceError, redis.exceptions.ConnectionError,
               redis.exceptions.TimeoutError)
@@ -110,6 +121,21 @@ def _log_fields_of(payload: bytes) -> dict[str, str]:
                       agent=env.to_agent_id or "", node=env.target_node_id or "")
 
 
+def connection_keep() -> None:
+    """Before database work in the owner thread: keep this thread's connection unless it
+    failed.
+
+    `close_old_connections()` hands the connection back to the pool on every call
+    (CONN_MAX_AGE is 0, for request threads), and the pool checks it with a round trip when
+    it is taken again: at 200 msg/s that check was about a sixth of the owner thread's time
+    (bench/stream_latency.py under py-spy), on the path of every message to the pages. The
+    owner is one long-lived thread, so it keeps its connection. After an error (the database
+    restarted, the network dropped) the connection is let go as before, and the retry takes
+    a fresh one."""
+    if connection.errors_occurred:
+        close_old_connections()
+
+
 def client_id_for(node_id: str, instance: str) -> str:
     """One fixed id per bridge instance: a persistent session, and two bridges with one id
     would kick each other off the broker forever."""
@@ -120,15 +146,10 @@ class Bridge:
     def __init__(self, *, url: str, node_id: str, prefix: str, instance: str = "1",
                  protocol_version: str = "5", monitor: bool = True,
                  session_expiry_s: int = 3600, max_queued: int = 10000, batch: int = 500,
-                 heartbeat_ms: int = 5000):
-        parsed = urlparse(url)
-        if parsed.scheme not in {"mqtt", "mqtts", "tcp"} or not parsed.hostname:
-            raise ValueError(f"MQTT URL {url!r}: use mqtt://host:port")
-        self.url = url
-        self.host = parsed.hostname
-        self.port = parsed.port or (8883 if parsed.scheme == "mqtts" else 1883)
-        self.tls = parsed.scheme == "mqtts"
-        self.username, self.password = parsed.username, parsed.password
+                 heartbeat_ms: int = 5000, share_group: str = "", ingest: str = "auto"):
+        # TLS and credentials come with the URL and the settings (messages/mqtt_client.py).
+        self.target = broker_target(url, protocol=protocol_version)
+        self.url = self.target.display  # never the password: this one is logged
         self.node_id = node_id
         self.prefix = prefix
         self.client_id = client_id_for(node_id, instance)
@@ -138,8 +159,28 @@ class Bridge:
         self.max_queued = max_queued
         self.batch = batch
         self.heartbeat_s = heartbeat_ms / 1000
+        if ingest not in INGEST_CHOICES:
+            raise ValueError(f"ingest {ingest!r}: use one of {', '.join(INGEST_CHOICES)}")
+        # One group per console (settings.REACH_BRIDGE_SHARE_GROUP): two consoles on one
+        # broker must each get every message, their own bridges only a share of it.
+        self.share_group = share_group or f"reach-{node_id or 'anon'}"
+        self.ingest_setting = ingest
+        self.ingest_mode = ""  # "shared" or "single", decided on each CONNACK
+        self._ingesting = False  # whether the inbound subscriptions are (to be) in place
+        self._ingest_lock: IngestLock | None = None  # single mode only
+        self._next_lock_try = 0.0
+        # Single mode: whether this connection has asked for the ingest lock yet. Until it
+        # has, nothing inbound is unsubscribed: its session may hold what the broker kept
+        # for it while it was away (NATS drops those with the subscription), and it may be
+        # the bridge that takes the lock a moment later.
+        self._lock_asked = False
+        self._subscribe_lock = threading.Lock()  # paho's thread and the owner both subscribe
+        self._shares_refused = False  # a SUBACK said 0x9E: shared subscriptions not supported
         self.counts = LocalCounter()
         self.connected = threading.Event()
+        # Connected AND subscribed to what this bridge must hear in its mode (shared: at once;
+        # single: once it knows whether it holds the ingest lock): what wait_connected means.
+        self.listening = threading.Event()
         self.generation = 0
         self._work: queue.Queue = queue.Queue(maxsize=QUEUE_LIMIT)
         self._confirms: collections.deque[_Confirmed] = collections.deque()
@@ -159,6 +200,10 @@ class Bridge:
         self._last_flush = 0.0
         self._counted_generation = 0  # connections counted so far (reconnects metric)
         self.dropped_total: int | None = None
+        # What the broker can do, as its CONNACK and $SYS told us (messages/broker_caps.py).
+        self.caps: dict[str, Any] = {}
+        self._connected_at = 0.0
+        self._caps_refreshed = 0.0
 
     @classmethod
     def from_settings(cls) -> Bridge:
@@ -169,6 +214,7 @@ class Bridge:
             session_expiry_s=settings.MQTT_SESSION_EXPIRY_S,
             max_queued=settings.MQTT_MAX_QUEUED, batch=settings.REACH_BRIDGE_BATCH,
             heartbeat_ms=settings.REACH_HEARTBEAT_MS,
+            share_group=settings.REACH_BRIDGE_SHARE_GROUP, ingest=settings.REACH_BRIDGE_INGEST,
         )
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -176,31 +222,28 @@ class Bridge:
         if not self.node_id:
             log.warning("REACH_NODE_ID is empty: the bridge stays out of targeted delivery "
                         "(no inbox subscription, no heartbeat); set REACH_NODE_ID")
-        client = mqtt.Client(
-            mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
-            protocol=mqtt.MQTTv5 if self.v5 else mqtt.MQTTv311,
-            clean_session=None if self.v5 else False, manual_ack=True,
-        )
+        client = mqtt_client(target=self.target, client_id=self.client_id,
+                             clean_session=False, manual_ack=True)
         client.max_queued_messages_set(self.max_queued)
         client.max_inflight_messages_set(100)
         client.reconnect_delay_set(min_delay=1, max_delay=30)
-        if self.username:
-            client.username_pw_set(self.username, self.password)
-        if self.tls:
-            client.tls_set()
         client.on_connect = self._guard(self._on_connect)
+        client.on_connect_fail = self._guard(self._on_connect_fail)
         client.on_disconnect = self._guard(self._on_disconnect)
         client.on_message = self._guard(self._on_message)
         client.on_publish = self._guard(self._on_publish)
+        client.on_subscribe = self._guard(self._on_subscribe)
         self._client = client
+        # Used only if the broker cannot share subscriptions (decided on each CONNACK).
+        self._ingest_lock = IngestLock(name=self.share_group)
         self._register_local_agents()
         if self.v5:
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = self.session_expiry_s
-            client.connect_async(self.host, self.port, keepalive=30, clean_start=False,
-                                 properties=props)
+            client.connect_async(self.target.host, self.target.port, keepalive=30,
+                                 clean_start=False, properties=props)
         else:
-            client.connect_async(self.host, self.port, keepalive=30)
+            client.connect_async(self.target.host, self.target.port, keepalive=30)
         client.loop_start()
         outbox_subscribe(self._wake_outbox)
         self._listener.start()
@@ -216,14 +259,19 @@ class Bridge:
         if self._owner is not None:
             self._owner.join(timeout)
             self._owner = None
+        if self._ingest_lock is not None:
+            self._ingest_lock.release()  # a standby takes over at once, not after a timeout
         if self._client is not None:
             self._client.disconnect()
             self._client.loop_stop()
             self._client = None
+        if self.caps:
+            self._caps_record(connected=False)  # the pages stop counting on this one
         self.counts.flush()
 
     def wait_connected(self, timeout: float = 10.0) -> bool:
-        return self.connected.wait(timeout)
+        """Connected and subscribed for its ingest mode (see `listening`)."""
+        return self.listening.wait(timeout)
 
     def _wake_outbox(self) -> None:
         """Rows came due (any thread; never blocks)."""
@@ -247,9 +295,30 @@ class Bridge:
 
         return guarded
 
-    def _subscriptions(self) -> list[tuple[str, int]]:
-        # Brokers that publish $SYS counters (Mosquitto) report their drops here.
-        subs = [(protocol.heartbeat_wildcard(self.prefix), 0), (BROKER_DROPPED_TOPIC, 0)]
+    # --- what each bridge subscribes to ------------------------------------------------------
+    # The inbound topics (heartbeats, the inboxes) are the console's, not one bridge's: each
+    # message must be stored by exactly one of its bridges, so they are shared
+    # (`$share/{group}/…`, MQTT 5) or, where the broker cannot share, taken by the one bridge
+    # that holds the ingest lock (messages/ingest_lock.py). That includes the console's own
+    # inbox: a request to the console is consumed once per node (PROTOCOL.md), not once per
+    # bridge. The `$SYS` drop counter is each bridge's alone: it is one small message per
+    # broker interval, and each bridge computes drops as the difference from the last total
+    # it saw, which a share of the readings would get wrong. The outbox needs no
+    # subscription (rows are claimed in the database, `skip_locked`), and the console's own
+    # sends come back through the shared inbox wildcard like any observed traffic.
+    #
+    # One exception, found in the broker-restart fault run: Mosquitto (2.0.11 here) does not
+    # restore shared subscriptions from its persistence, so after a broker restart a message
+    # published before the bridges have subscribed again matches nobody and is gone. For
+    # observed traffic and heartbeats (QoS 0) that is a gap in a record; for the console's
+    # own inbox it is an answer the console waits for (a send stuck ACKED). So every bridge
+    # also keeps a plain subscription to its own inbox, which a persistent session keeps
+    # over a restart. The extra copies are absorbed: exact repeats within a batch are
+    # dropped before the insert (`_ingest`), the rest by the unique message id (a repeated
+    # request to one of the console's own agents is answered ACK `duplicate: true`, as any
+    # redelivery on an at-least-once bus is).
+    def _inbound_topics(self) -> list[tuple[str, int]]:
+        subs = [(protocol.heartbeat_wildcard(self.prefix), 0)]
         if self.monitor:
             # The wildcard covers our own inbox too (its topic makes those RECV); a second,
             # overlapping subscription would have the broker deliver them twice.
@@ -258,10 +327,121 @@ class Bridge:
             subs.append((protocol.inbox_topic(self.prefix, self.node_id), 1))
         return subs
 
+    def _shared(self, topic: str) -> str:
+        return f"$share/{self.share_group}/{topic}"
+
+    def _own_inbox(self) -> str:
+        return protocol.inbox_topic(self.prefix, self.node_id) if self.node_id else ""
+
+    def _subscriptions(self) -> list[tuple[str, int]]:
+        # Brokers that publish $SYS counters (Mosquitto) report their drops here.
+        subs = [(BROKER_DROPPED_TOPIC, 0)]
+        if not self._ingesting:
+            return subs
+        if self.ingest_mode != "shared":
+            return subs + self._inbound_topics()
+        own = self._own_inbox()
+        subs += [(self._shared(t), q) for t, q in self._inbound_topics() if t != own]
+        if own:
+            subs.append((own, 1))  # plain as well: see above
+        return subs
+
+    def _stale_filters(self) -> list[str]:
+        """Inbound filters this bridge must not hold now: its persistent session keeps what
+        an earlier run subscribed (another mode, or the ingest lock it no longer holds), and
+        the broker would go on delivering a copy of every message to it."""
+        plain = [t for t, _ in self._inbound_topics()]
+        if self.ingest_mode == "shared":
+            return [t for t in plain if t != self._own_inbox()]
+        stale = [] if self._ingesting or not self._lock_asked else plain
+        if self.caps.get("shared_subscriptions"):
+            # Only a broker that takes `$share/` filters is sent them (single mode by
+            # setting); to one without, even an UNSUBSCRIBE of one may be a protocol error.
+            stale += [self._shared(t) for t in plain]
+        return stale
+
+    def _sync_subscriptions(self, client: mqtt.Client | None) -> None:
+        """Subscribe to what this bridge must hear, then drop the rest: in that order, an
+        overlap delivers a message twice (the insert is idempotent), a gap would lose it."""
+        if client is None:
+            return
+        with self._subscribe_lock:
+            client.subscribe(self._subscriptions())
+            stale = self._stale_filters()
+            if stale:
+                client.unsubscribe(stale)
+
+    def _ingest_mode_decide(self) -> None:
+        """Shared subscriptions when the broker allows them, else one active bridge; says
+        which in the log whenever it changes (once per bridge, not per reconnect)."""
+        if self.ingest_setting != "auto":
+            mode, why = self.ingest_setting, f"REACH_BRIDGE_INGEST={self.ingest_setting}"
+        elif not self.v5:
+            mode, why = "single", "MQTT 3.1.1 has no shared subscriptions"
+        elif not self.caps.get("shared_subscriptions", True):
+            mode, why = "single", "the broker's CONNACK says SharedSubscriptionAvailable = 0"
+        elif self._shares_refused:
+            mode, why = "single", "the broker refused a shared subscription"
+        else:
+            mode, why = "shared", "the MQTT 5 broker allows shared subscriptions"
+        if mode == self.ingest_mode:
+            return
+        self.ingest_mode = mode
+        if mode == "shared":
+            self._ingesting = True
+            log.info("MQTT ingest: shared, bridge %s takes a share of group %r (%s)",
+                     self.client_id, self.share_group, why)
+        else:
+            lock = self._ingest_lock
+            self._ingesting = lock is not None and lock.held
+            # A warning where it limits scaling out; the embedded mode has one process anyway.
+            level = logging.WARNING if lock is not None and lock.vendor == "postgresql" else (
+                logging.INFO)
+            log.log(level, "MQTT ingest: one active bridge (%s); ingest lock: %s; bridge %s %s",
+                    why, lock.what if lock else "none",
+                    self.client_id, "ingests" if self._ingesting else
+                    "waits for the lock and publishes the outbox meanwhile")
+
+    def _ingest_lock_turn(self, now: float) -> None:
+        """Single mode (owner thread): take the ingest lock, or check the one held, about
+        once a second, and (un)subscribe when that changes. A bridge that lost the broker
+        lets the lock go, so a connected one ingests meanwhile."""
+        lock = self._ingest_lock
+        if self.ingest_mode != "single" or lock is None or now < self._next_lock_try:
+            return
+        self._next_lock_try = now + LOCK_TRY_EVERY_S
+        if not self.connected.is_set():
+            self.listening.clear()
+            if lock.held and lock.vendor == "postgresql":
+                lock.release()
+                self._ingesting = False
+                log.warning("bridge %s lost the broker: released the ingest lock",
+                            self.client_id)
+            return
+        held = lock.hold()
+        first = not self._lock_asked
+        self._lock_asked = True
+        if held == self._ingesting and not first:
+            return
+        if held == self._ingesting:  # the first answer since connecting, and no change
+            self._sync_subscriptions(self._client)
+            self.listening.set()
+            return
+        self._ingesting = held
+        if held:
+            log.warning("bridge %s took the ingest lock: it ingests now", self.client_id)
+        else:
+            log.warning("bridge %s lost the ingest lock: standby (publishes the outbox only)",
+                        self.client_id)
+        self._sync_subscriptions(self._client)
+        self.listening.set()
+
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
-            log.error("MQTT broker %s refused the bridge: %s", self.url, reason_code)
+            # Logged once per reason (broker_caps), not on every reconnect attempt.
+            self._caps_record(connected=False, error=refusal_reason(reason_code, self.target))
             return
+        self._caps_connected(properties)
         self.generation += 1
         # Subscribe every time, whatever session_present says: a broker that lost the
         # session (restart without persistence) must not leave the console deaf.
@@ -271,21 +451,76 @@ class Bridge:
             client.socket().setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except (AttributeError, OSError) as exc:
             log.warning("could not set TCP_NODELAY on the MQTT socket: %s", exc)
-        client.subscribe(self._subscriptions())
+        self._lock_asked = False
+        self._next_lock_try = 0.0  # single mode: ask for the lock on the next step
+        self._ingest_mode_decide()
+        self._sync_subscriptions(client)
         self.connected.set()
+        if self.ingest_mode == "shared" or self._ingest_lock is None:
+            self.listening.set()
         self._wake_outbox()  # what came due while we were away
         log.info("MQTT bridge connected (session present: %s)", flags.session_present)
 
+    def _on_connect_fail(self, client, userdata) -> None:
+        # paho's reconnect loop swallowed the reason (TLS, DNS, refused): find it out, so the
+        # log says it once and readiness can say it, rather than "connection failed" forever.
+        self._caps_record(connected=False,
+                          error=connect_failure_reason(self.target)
+                          or f"the broker {self.url} closed the connection during CONNECT")
+
+    def _caps_record(self, **facts: Any) -> None:
+        self.caps.update(facts)
+        broker_caps_record(instance=self.client_id, url=self.url,
+                           protocol=self.target.protocol, **facts)
+
+    def _caps_connected(self, properties) -> None:
+        """A CONNACK that accepted us: what it says the broker can do. Whether `$SYS` drop
+        counters come is known later (step → _caps_tick)."""
+        self._connected_at = time.monotonic()
+        self._caps_record(connected=True, error="",
+                          **connack_caps(v5=self.v5, properties=properties,
+                                         requested_expiry_s=self.session_expiry_s))
+
+    def _caps_tick(self, now: float) -> None:
+        """Owner thread: decide that `$SYS` counters do not come, and keep the entry fresh."""
+        if (self.connected.is_set() and self.caps.get("sys_drops") is None
+                and now - self._connected_at >= SYS_WAIT_S):
+            self._caps_record(sys_drops=False)
+        elif now - self._caps_refreshed >= REFRESH_S and self.caps:
+            self._caps_refreshed = now
+            self._caps_record()
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        """A broker may advertise shared subscriptions and still refuse one (reason 0x9E),
+        or refuse a filter for other reasons (ACLs): said in the log, and a refused share
+        turns this bridge to single mode instead of leaving it deaf."""
+        refused = [rc for rc in reason_codes if getattr(rc, "is_failure", False)]
+        if not refused:
+            return
+        log.error("MQTT broker refused %d of the bridge's subscriptions: %s", len(refused),
+                  ", ".join(sorted({str(rc) for rc in refused})))
+        if (any(rc.value == 0x9E for rc in refused) and self.ingest_mode == "shared"
+                and self.ingest_setting == "auto"):
+            self._shares_refused = True
+            self._ingest_mode_decide()
+            self._sync_subscriptions(client)
+
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        was_connected = self.connected.is_set()
         self.connected.clear()
+        self.listening.clear()
         if reason_code == 142:  # MQTT 5 "session taken over"
             log.error("another client took over the MQTT session %s: give each bridge its own "
                       "REACH_BRIDGE_INSTANCE", self.client_id)
-        elif not self._stop.is_set():
+        elif not self._stop.is_set() and was_connected:
+            # Only a lost connection: a refused CONNECT was said (once) by _on_connect.
             log.warning("MQTT bridge disconnected (%s); paho reconnects", reason_code)
+            self._caps_record(connected=False)
 
     def _on_message(self, client, userdata, message: mqtt.MQTTMessage) -> None:
         if message.topic == BROKER_DROPPED_TOPIC:
+            if not self.caps.get("sys_drops"):
+                self._caps_record(sys_drops=True)
             self._broker_dropped(message.payload)
             return
         # Blocks when the owner is behind: paho stops reading and the broker keeps the rest.
@@ -352,6 +587,7 @@ class Bridge:
                 self._ingest(received)
         now = time.monotonic()
         found = bool(items)
+        self._guard_db(lambda: self._ingest_lock_turn(now))
         if self.connected.is_set() and (self._outbox_due.is_set() or now >= self._next_poll):
             self._outbox_due.clear()
             self._next_poll = now + settings.REACH_OUTBOX_POLL_S
@@ -359,6 +595,7 @@ class Bridge:
         if now - self._last_hearing >= HEARING_EVERY_S:
             self._last_hearing = now
             self._guard_db(self._report_hearing)
+            self._caps_tick(now)
         if self.node_id and now - self._last_heartbeat >= self.heartbeat_s:
             self._last_heartbeat = now
             self._heartbeat()
@@ -380,7 +617,7 @@ class Bridge:
         """Database work of the owner loop that may meet an outage: warn (at most every
         10 s), let the next turn try again."""
         try:
-            close_old_connections()
+            connection_keep()
             return bool(work())
         except INFRA_DOWN as exc:
             now = time.monotonic()
@@ -392,7 +629,9 @@ class Bridge:
     def _report_hearing(self) -> None:
         """Whether the console hears the bus decides whether leases may run out: connected,
         and this turn's writes commit (an outage of the database or the worker is a gap)."""
-        if self.connected.is_set():
+        # A standby (single mode, without the ingest lock) hears nothing of the bus: if it
+        # reported, leases could run out while nobody ingests their heartbeats.
+        if self.connected.is_set() and self._ingesting:
             hearing_record(instance=self.client_id)
             self._hearing = True
         elif self._hearing:
@@ -431,11 +670,14 @@ class Bridge:
         return items
 
     def _ingest(self, received: list[_Received]) -> None:
-        batch = [Incoming(r.topic, r.payload) for r in received]
+        # One message through two of our subscriptions (the own inbox, plain and shared)
+        # comes twice, usually in one batch: stored once, answered once. Every copy is
+        # still acknowledged after the commit.
+        batch = list(dict.fromkeys(Incoming(r.topic, r.payload) for r in received))
         attempt = 0
         while True:
             try:
-                close_old_connections()
+                connection_keep()
                 try:
                     result = messages_ingest(batch=batch, node_id=self.node_id,
                                              prefix=self.prefix)
@@ -558,8 +800,7 @@ class Bridge:
         taken = [c.pk for c in changes if c.to == Status.PUBLISHED]
         if taken and skipped:
             try:
-                Message.objects.filter(pk__in=taken, published_at__isnull=True).update(
-                    published_at=now)
+                late_pubacks_record(pks=taken, now=now)
             except DatabaseError as exc:
                 log.warning("could not record when the broker took %d messages: %s",
                             len(taken), exc)
@@ -574,7 +815,7 @@ class Bridge:
         now = now or timezone.now()
         for delay in (*RETRY_BACKOFF_S, None):
             try:
-                close_old_connections()
+                connection_keep()
                 with transaction.atomic():
                     # With the ACK's change: a response is never left waiting for an ACK
                     # whose PUBACK was recorded. Before changes_apply, which may take agents'
@@ -616,7 +857,7 @@ class Bridge:
             self._client.publish(protocol.heartbeat_topic(self.prefix, self.node_id),
                                  protocol.encode(env), qos=0)
         try:
-            close_old_connections()
+            connection_keep()
             # Our own heartbeat comes back as an echo and is dropped: renew directly.
             heartbeat_record(node_id=self.node_id, agents=agents,
                              heartbeat_ms=int(self.heartbeat_s * 1000))

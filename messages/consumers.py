@@ -37,6 +37,10 @@ class EventStreamConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self) -> None:
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
+            # Accept, then close with a code: a close before accept becomes an HTTP 403 at
+            # the handshake, which a browser reports as 1006 like any network failure, so
+            # the page would retry forever instead of saying the session ended.
+            await self.accept()
             await self.close(code=CLOSE_UNAUTHORIZED)
             return
         self.group = self.group_for(self.scope["url_route"]["kwargs"])

@@ -109,6 +109,20 @@ def interest_in(groups: list[str]) -> set[str]:
     return {g for g, (_, listened) in known.items() if listened}
 
 
+def interest_cached(groups: list[str]) -> set[str] | None:
+    """`interest_in` from this process's memory alone: None when an answer is missing or
+    older than INTEREST_CACHE_S (then ask `interest_in`, which reads the cache)."""
+    now = time.monotonic()
+    listened = set()
+    for group in groups:
+        seen = _interest_cache.get(group)
+        if seen is None or now - seen[0] >= INTEREST_CACHE_S:
+            return None
+        if seen[1]:
+            listened.add(group)
+    return listened
+
+
 class EventPublisher:
     """Hands batches of events to the channel layer from one event loop."""
 
@@ -167,25 +181,39 @@ class EventPublisher:
         layer = get_channel_layer()
         if layer is None:
             return
-        try:
-            listened = await sync_to_async(interest_in, thread_sensitive=False)(
-                [g for g in frames if g not in ALWAYS_SENT])
-        except Exception as exc:  # the cache (Redis) is down: push to the always-sent only
-            listened = set()
-            self._failed(sum(map(len, frames.values())), "the interest cache", exc)
+        # The always-sent groups (the timeline every open page listens to) go first: they
+        # need no interest lookup, and waiting for one put a thread hop and, once a second,
+        # a Redis round trip in front of every page's frame (bench/stream_latency.py).
+        scoped = [g for g in frames if g not in ALWAYS_SENT]
         for group, events in frames.items():
-            if group not in ALWAYS_SENT and group not in listened:
-                continue
-            for start in range(0, len(events), MAX_EVENTS_PER_FRAME):
-                chunk = events[start : start + MAX_EVENTS_PER_FRAME]
-                try:
-                    await layer.group_send(group, {"type": FRAME_TYPE, "events": chunk})
-                    self.sent_frames += 1
-                    self.sent_events += len(chunk)
-                except Exception as exc:
-                    # A push is a hint (pages re-read the table on a gap); never let a
-                    # channel-layer hiccup reach the code that wrote the rows.
-                    self._failed(len(chunk), group, exc)
+            if group in ALWAYS_SENT:
+                await self._send_group(layer, group, events)
+        if not scoped:
+            return
+        # Answered from this process's memory when it can: a hop to a thread costs more
+        # than the lookup while the bridge's owner thread holds the GIL.
+        listened = interest_cached(scoped)
+        if listened is None:
+            try:
+                listened = await sync_to_async(interest_in, thread_sensitive=False)(scoped)
+            except Exception as exc:  # the cache (Redis) is down: the always-sent only
+                self._failed(sum(len(frames[g]) for g in scoped), "the interest cache", exc)
+                return
+        for group in scoped:
+            if group in listened:
+                await self._send_group(layer, group, frames[group])
+
+    async def _send_group(self, layer, group: str, events: list[dict]) -> None:
+        for start in range(0, len(events), MAX_EVENTS_PER_FRAME):
+            chunk = events[start : start + MAX_EVENTS_PER_FRAME]
+            try:
+                await layer.group_send(group, {"type": FRAME_TYPE, "events": chunk})
+                self.sent_frames += 1
+                self.sent_events += len(chunk)
+            except Exception as exc:
+                # A push is a hint (pages re-read the table on a gap); never let a
+                # channel-layer hiccup reach the code that wrote the rows.
+                self._failed(len(chunk), group, exc)
 
     def _failed(self, count: int, where: str, exc: Exception) -> None:
         """Count a failed push; say so once a minute, not once per batch: while Redis is

@@ -169,7 +169,9 @@ def held_release(*, agent_ids: Iterable[str], now: datetime) -> tuple[list[int],
                         message_type="TASK_REQUEST", status=Status.SENT)
                 .exclude(deadline_at__lte=now)  # messages/sweeps.py ends those
                 .order_by("created_at", "id"))
-        resolution = resolve_agent_node(to_agent_id=agent_id, now=now)
+        # Held work was accepted for this agent: a drain lets it finish there (only new work
+        # goes elsewhere); it ends only when the agent can take nothing at all.
+        resolution = resolve_agent_node(to_agent_id=agent_id, now=now, accepted=True)
         if not resolution.ok:
             reason = f"held for {agent_id}, which can no longer take work: {resolution.reason}"
             changes += [Change(pk=pk, to=Status.UNDELIVERABLE, allowed=frozenset({Status.SENT}),
@@ -207,6 +209,15 @@ def held_release(*, agent_ids: Iterable[str], now: datetime) -> tuple[list[int],
         publish += pks
     capacities.write()
     return publish, changes
+
+
+def loads_kept(agent_ids: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """Each agent's kept (in flight, held) counts: what backpressure and capability routing
+    go by, one row an agent. Registered with the roster (messages/apps.py) so its pages show
+    the load the console routes by without importing this app."""
+    return {agent_id: (max(0, inflight), max(0, held)) for agent_id, inflight, held in
+            AgentLoad.objects.filter(agent_id__in=list(agent_ids))
+            .values_list("agent_id", "inflight", "held")}
 
 
 def loads_to_release() -> list[str]:

@@ -127,9 +127,14 @@ class Message(models.Model):
         ordering = ["-created_at", "-id"]
         indexes = [
             models.Index(fields=["created_at", "id"], name="a2a_timeline"),
-            models.Index(fields=["status", "created_at"], name="a2a_status_created"),
-            models.Index(fields=["to_agent_id", "created_at"], name="a2a_to_agent_created"),
-            models.Index(fields=["from_agent_id", "created_at"], name="a2a_from_agent_created"),
+            # The timeline's filters read these in its order, (created_at, id), to the page
+            # size and no further (messages/selectors.py); an agent is walked as receiver
+            # and as sender apart, never as one OR over the whole timeline.
+            models.Index(fields=["status", "created_at", "id"], name="a2a_status_timeline"),
+            models.Index(fields=["to_agent_id", "created_at", "id"],
+                         name="a2a_to_agent_timeline"),
+            models.Index(fields=["from_agent_id", "created_at", "id"],
+                         name="a2a_from_agent_timeline"),
             models.Index(fields=["to_agent_id", "held", "status"], name="a2a_agent_held_status"),
             models.Index(fields=["task_id", "created_at"], name="a2a_task_created"),
             # Deadline indexes hold only the rows that can still be due, so a sweep costs

@@ -366,7 +366,12 @@ def message_next_attempt(
     target = _target_of(previous)
     request = _request_again(previous, attempt=previous.attempt + 1,
                              idempotency_key=previous.idempotency_key)
-    if target.startswith(CAPABILITY_PREFIX) and exclude_agent:
+    kept = None if exclude_agent else _draining_keeps(previous, now)
+    if kept is not None:
+        # The task was accepted for an agent that has started draining since: it finishes
+        # there while the lease holds (a drain routes only new work elsewhere).
+        to_agent_id, resolution = previous.to_agent_id, kept
+    elif target.startswith(CAPABILITY_PREFIX) and exclude_agent:
         tried = set(Message.objects.filter(task_id=previous.task_id, direction=Direction.SEND)
                     .values_list("to_agent_id", flat=True))
         resolution = route_capability(capability=target[len(CAPABILITY_PREFIX):],
@@ -374,8 +379,9 @@ def message_next_attempt(
                                       unacked=loads_of, within=request.within, now=now)
         to_agent_id = resolution.agent_id or target
     elif target.startswith("#"):
-        # A group member's retry goes to the same member.
-        resolution = resolve_agent_node(to_agent_id=previous.to_agent_id, now=now)
+        # A group member's retry goes to the same member (drained or not: accepted work).
+        resolution = resolve_agent_node(to_agent_id=previous.to_agent_id, now=now,
+                                        accepted=True)
         to_agent_id = previous.to_agent_id
     else:
         try:
@@ -396,6 +402,23 @@ def message_next_attempt(
     if storm:
         return NextAttempt(None, why=storm[0][1].detail, code=storm[0][1].code)
     return NextAttempt(rows[0], publish, events)
+
+
+def _draining_keeps(previous: Message, now: datetime) -> Resolution | None:
+    """The resolution that keeps a retry on `previous`'s agent when that agent is DRAINING
+    and can still take work accepted for it (lease, node), else None: the normal resolution
+    then decides, as for any retry."""
+    if not previous.target_node_id or previous.to_agent_id.startswith(
+            ("#", "@", CAPABILITY_PREFIX)):
+        return None  # never routed to an agent: nothing was accepted for one
+    explicit = (previous.resolution or {}).get("level") == "explicit"
+    resolution = resolve_agent_node(
+        to_agent_id=previous.to_agent_id,
+        target_node_id=previous.target_node_id if explicit else None, now=now, accepted=True)
+    if resolution.ok and resolution.candidates and (
+            resolution.candidates[0].status == "DRAINING"):
+        return resolution
+    return None
 
 
 def message_reroute(*, busy: Message, now: datetime) -> tuple[Message | None, list[int],

@@ -3,10 +3,15 @@ so a message's trace, its task's attempts and its replies are the same wherever 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import timedelta
+import itertools
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from functools import reduce
+from operator import and_, or_
 
-from django.db.models import Count, Q, QuerySet, Sum
+from django.db.models import Count, Max, Q, QuerySet, Sum
 from django.utils import timezone
 
 from messages.models import (
@@ -17,46 +22,293 @@ from messages.models import (
     Message,
     Status,
 )
+from messages.protocol import MessageType
+from reachconsole.core.errors import ConsoleError
 
-SINCE_CHOICES = {"15": 15, "60": 60, "360": 360, "1440": 1440}
+# Presets of the timeline's time window, in minutes back from now.
+SINCE_PRESETS = {"15": "15 min", "60": "1 h", "360": "6 h", "1440": "24 h", "10080": "7 days"}
+PAGE_SIZE = 200
+# A filter with OR-ed alternatives (several statuses, an agent as sender or receiver) is
+# read as one index-ordered query per alternative, merged here: one query with an OR walks
+# the whole timeline index past every row that matches neither. Past this many branches a
+# single query costs less than the round trips.
+MAX_BRANCHES = 8
+# What the list shows of a row; the payload, headers and resolution (the large columns)
+# stay on disk until a trace or an export asks for them.
+LIST_FIELDS = ("id", "message_id", "task_id", "message_type", "direction", "status",
+               "from_agent_id", "to_agent_id", "target_node_id", "conversation_id", "error",
+               "attempt", "held", "created_at")
+_RELATIVE = re.compile(r"^(\d{1,7})\s*([mhd]?)$")
+_UNITS = {"": 1, "m": 1, "h": 60, "d": 1440}
+
+
+class FilterError(ConsoleError):
+    """A timeline filter that cannot be read: answered 400 with these words."""
+
+    code = "bad_filter"
+    status = 400
+
+
+def _when(name: str, value: str, now: datetime) -> datetime | None:
+    """`value` as a moment: minutes back from now ("60", "6h", "7d"), or a date-time in
+    ISO 8601 (without an offset it is UTC, as the page shows every time)."""
+    if not value:
+        return None
+    relative = _RELATIVE.match(value)
+    try:
+        if relative:
+            return now - timedelta(minutes=int(relative[1]) * _UNITS[relative[2]])
+        moment = datetime.fromisoformat(value)
+        moment = moment.replace(tzinfo=UTC) if timezone.is_naive(moment) else moment
+        # At the calendar's edge (year 1, year 9999) an offset or a span back from now leaves
+        # it: say so here rather than fail later in the database conversion.
+        return moment.astimezone(UTC)
+    except (ValueError, OverflowError):
+        raise FilterError(f"{name}={value[:40]!r} is neither minutes back (60, 6h, 7d) nor a "
+                          "date-time such as 2026-11-30T14:00 (UTC) within the calendar"
+                          ) from None
+
+
+def _text(get, name: str, limit: int) -> str:
+    return (get.get(name) or "").strip()[:limit]
 
 
 @dataclass(frozen=True)
 class MessageFilter:
-    """The timeline's filters, as they come in a URL."""
+    """The timeline's filters, as they come in a URL; every one narrows the set."""
 
-    status: str = ""
-    agent: str = ""
+    statuses: tuple[str, ...] = ()
+    message_type: str = ""
     direction: str = ""
-    since: str = "60"
-    q: str = ""
+    agent: str = ""  # as sender or receiver
+    node: str = ""  # the node it was sent to
+    namespace: str = ""  # of the sender or the receiver
+    conversation: str = ""
+    task: str = ""
+    q: str = ""  # a message, task or conversation id
+    error: str = ""  # words in the error text
+    since: str = ""
+    until: str = ""
+    since_at: datetime | None = field(default=None, compare=False)
+    until_at: datetime | None = field(default=None, compare=False)
 
     @classmethod
-    def from_query(cls, get) -> MessageFilter:
-        return cls(status=get.get("status", ""), agent=get.get("agent", "").strip()[:265],
-                   direction=get.get("direction", ""), since=get.get("since", "60"),
-                   q=get.get("q", "").strip()[:200])
+    def from_query(cls, get, *, now: datetime | None = None) -> MessageFilter:
+        """Read a GET (or POST) QueryDict; FilterError names what cannot be read."""
+        now = now or timezone.now()
+        statuses = []
+        for value in get.getlist("status") if hasattr(get, "getlist") else [get.get("status")]:
+            for status in (value or "").split(","):
+                status = status.strip().upper()
+                if not status or status in statuses:
+                    continue
+                if status not in Status.values:
+                    raise FilterError(f"There is no status {status[:40]!r}; the statuses are "
+                                      f"{', '.join(Status.values)}.")
+                statuses.append(status)
+        message_type = _text(get, "type", 20).upper()
+        if message_type and message_type not in MessageType.__members__:
+            raise FilterError(f"There is no message type {message_type!r}; the types are "
+                              f"{', '.join(MessageType.__members__)}.")
+        direction = _text(get, "direction", 10).upper()
+        if direction and direction not in Direction.values:
+            raise FilterError(f"There is no direction {direction!r}; the directions are "
+                              f"{', '.join(Direction.values)}.")
+        since, until = _text(get, "since", 40), _text(get, "until", 40)
+        since_at, until_at = _when("since", since, now), _when("until", until, now)
+        if since_at and until_at and since_at > until_at:
+            raise FilterError(f"since ({since}) is later than until ({until}): nothing can "
+                              "match.")
+        return cls(statuses=tuple(statuses), message_type=message_type, direction=direction,
+                   agent=_text(get, "agent", 265), node=_text(get, "node", 128),
+                   namespace=_text(get, "namespace", 100).rstrip("."),
+                   conversation=_text(get, "conversation", 200), task=_text(get, "task", 200),
+                   q=_text(get, "q", 200), error=_text(get, "error", 200),
+                   since=since, until=until, since_at=since_at, until_at=until_at)
+
+    def as_pairs(self) -> list[tuple[str, str]]:
+        """The filters as URL parameters (a status per `status=`), empty ones left out."""
+        pairs = [("status", s) for s in self.statuses]
+        pairs += [(name, value) for name, value in (
+            ("type", self.message_type), ("direction", self.direction), ("agent", self.agent),
+            ("node", self.node), ("namespace", self.namespace),
+            ("conversation", self.conversation), ("task", self.task), ("q", self.q),
+            ("error", self.error), ("since", self.since), ("until", self.until)) if value]
+        return pairs
+
+    def pinned_pairs(self) -> list[tuple[str, str]]:
+        """`as_pairs` with the time window as fixed moments: what a preview hands to the
+        action it confirms, so "the last hour" means the same hour when it is carried out."""
+        pinned = {"since": self.since_at.isoformat() if self.since_at else "",
+                  "until": self.until_at.isoformat() if self.until_at else ""}
+        return [(name, pinned.get(name, value)) for name, value in self.as_pairs()]
+
+    def for_client(self) -> dict:
+        """What static/js/timeline.js needs to tell whether a pushed event matches, as
+        far as an event's fields can say (see `client_can_tell`)."""
+        return {"statuses": list(self.statuses), "type": self.message_type,
+                "direction": self.direction, "agent": self.agent, "node": self.node,
+                "namespace": self.namespace, "conversation": self.conversation,
+                "task": self.task, "q": self.q, "error": self.error,
+                "until": self.until_at.isoformat() if self.until_at else ""}
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.as_pairs()
+
+
+def _base(flt: MessageFilter) -> QuerySet[Message]:
+    """Every filter but the OR-ed alternatives (see `_alternatives`)."""
+    qs = Message.objects.all()
+    if len(flt.statuses) == 1:
+        qs = qs.filter(status=flt.statuses[0])
+    if flt.message_type:
+        qs = qs.filter(message_type=flt.message_type)
+    if flt.direction:
+        qs = qs.filter(direction=flt.direction)
+    if flt.node:
+        qs = qs.filter(target_node_id=flt.node)
+    if flt.namespace:
+        # Not split like an agent: a namespace's prefix spans many agents, so one branch
+        # would have to sort all of their rows; walking the timeline finds a page at once.
+        prefix = flt.namespace + "."
+        qs = qs.filter(Q(to_agent_id__startswith=prefix) | Q(from_agent_id__startswith=prefix))
+    if flt.conversation:
+        qs = qs.filter(conversation_id=flt.conversation)
+    if flt.task:
+        qs = qs.filter(task_id=flt.task)
+    if flt.q:
+        qs = qs.filter(Q(message_id=flt.q) | Q(task_id=flt.q) | Q(conversation_id=flt.q))
+    if flt.error:
+        # error <> '' lets PostgreSQL use the partial trigram index a2a_error_trgm.
+        qs = qs.filter(error__icontains=flt.error).exclude(error="")
+    if flt.since_at:
+        qs = qs.filter(created_at__gte=flt.since_at)
+    if flt.until_at:
+        qs = qs.filter(created_at__lt=flt.until_at)
+    return qs
+
+
+def _alternatives(flt: MessageFilter) -> list[list[Q]]:
+    groups = []
+    if len(flt.statuses) > 1:
+        groups.append([Q(status=s) for s in flt.statuses])
+    if flt.agent:
+        groups.append([Q(to_agent_id=flt.agent), Q(from_agent_id=flt.agent)])
+    return groups
+
+
+def _branches(flt: MessageFilter) -> list[Q]:
+    """The filter as alternatives whose union is the set: one per combination of the OR-ed
+    choices, each a plain AND that one index can serve in timeline order."""
+    groups = _alternatives(flt)
+    if not groups:
+        return [Q()]
+    if reduce(lambda n, g: n * len(g), groups, 1) > MAX_BRANCHES:
+        return [reduce(and_, (reduce(or_, g) for g in groups))]
+    return [reduce(and_, combo) for combo in itertools.product(*groups)]
 
 
 def messages_filter(flt: MessageFilter) -> QuerySet[Message]:
-    qs = Message.objects.all()
-    if flt.status in Status.values:
-        qs = qs.filter(status=flt.status)
-    if flt.direction in Direction.values:
-        qs = qs.filter(direction=flt.direction)
-    if flt.agent:
-        qs = qs.filter(Q(to_agent_id=flt.agent) | Q(from_agent_id=flt.agent))
-    minutes = SINCE_CHOICES.get(flt.since, 60)
-    qs = qs.filter(created_at__gte=timezone.now() - timedelta(minutes=minutes))
-    if flt.q:
-        qs = qs.filter(Q(message_id=flt.q) | Q(task_id=flt.q) | Q(conversation_id=flt.q))
+    """The filtered set as one query, newest first (counts, bulk resend)."""
+    qs = _base(flt)
+    for group in _alternatives(flt):
+        qs = qs.filter(reduce(or_, group))
     return qs.order_by("-created_at", "-id")
+
+
+@dataclass
+class MessagePage:
+    rows: list[Message]
+    older: int | None  # the `before` cursor of the next page, None on the last
+
+
+def messages_page(flt: MessageFilter, *, before: int | None = None, limit: int = PAGE_SIZE,
+                  fields: tuple[str, ...] | None = LIST_FIELDS) -> MessagePage:
+    """One page of the filtered timeline, newest first, older than the row `before` (a row
+    id): keyset paging on (created_at, id), so page 5,000 costs what page 1 does and no
+    COUNT is needed. `fields=None` loads whole rows (exports)."""
+    qs = _base(flt)
+    if before is not None:
+        edge = Message.objects.filter(pk=before).values_list("created_at", flat=True).first()
+        if edge is None:  # pruned since the page was shown: nothing older is left either
+            return MessagePage(rows=[], older=None)
+        # created_at <= edge bounds the index range; the OR only breaks ties within it.
+        qs = qs.filter(Q(created_at__lt=edge) | Q(id__lt=before), created_at__lte=edge)
+    order = ("-created_at", "-id")
+    branches = _branches(flt)
+    if len(branches) == 1:
+        found = qs.filter(branches[0]).order_by(*order)
+        rows = list((found.only(*fields) if fields else found)[:limit + 1])
+    else:
+        keys: set[tuple[datetime, int]] = set()
+        for branch in branches:
+            keys.update(qs.filter(branch).order_by(*order)
+                        .values_list("created_at", "id")[:limit + 1])
+        top = sorted(keys, reverse=True)[:limit + 1]
+        loader = Message.objects.only(*fields) if fields else Message.objects
+        by_id = loader.in_bulk([pk for _, pk in top])
+        rows = [by_id[pk] for _, pk in top if pk in by_id]
+    older = rows[limit - 1].pk if len(rows) > limit else None
+    return MessagePage(rows=rows[:limit], older=older)
+
+
+def messages_pages(flt: MessageFilter, *, limit: int, chunk: int = 1000
+                   ) -> Iterator[list[Message]]:
+    """Whole rows of the filtered set, newest first, `chunk` at a time, at most `limit`:
+    each chunk is one keyset page, so no transaction or cursor stays open between them
+    (a streamed export may take minutes)."""
+    before, sent = None, 0
+    while sent < limit:
+        page = messages_page(flt, before=before, limit=min(chunk, limit - sent), fields=None)
+        if page.rows:
+            yield page.rows
+        sent += len(page.rows)
+        if page.older is None:
+            return
+        before = page.older
+
+
+def newest_message_id() -> int:
+    """The id of the newest row: what a page has seen when it shows its rows (a pushed
+    event with a higher id is news). A max() over the primary key: one index probe."""
+    return Message.objects.aggregate(newest=Max("id"))["newest"] or 0
+
+
+# The most rows a "N new" count looks at: a page paused for an hour at 1,000 msg/s behind
+# a rare filter must not walk 3.6 million rows on every poll.
+NEW_COUNT_SCAN = 100_000
+
+
+def messages_new_count(flt: MessageFilter, *, after: int, up_to: int,
+                       cap: int = 1000) -> tuple[int, bool]:
+    """How many rows of the filtered set have an id in (`after`, `up_to`], counted up to
+    `cap` (cap + 1 means "more than cap"): what a paused page has not shown yet; and whether
+    every row since `after` was looked at. The primary key bounds the scan to the newest
+    NEW_COUNT_SCAN rows stored since the page was shown; past that the count is a floor."""
+    lowest = max(after, up_to - NEW_COUNT_SCAN)
+    found = (messages_filter(flt).filter(id__gt=lowest, id__lte=up_to).order_by()
+             .values("id")[:cap + 1].count())
+    return found, lowest == after
 
 
 def resendable(qs: QuerySet[Message]) -> QuerySet[Message]:
     """The task requests of ours in `qs` that an operator may send again."""
     return qs.filter(direction=Direction.SEND, message_type="TASK_REQUEST",
                      status__in=list(RESENDABLE_STATUSES))
+
+
+def resendable_selected(flt: MessageFilter, *, up_to: int) -> QuerySet[Message]:
+    """The rows of the filtered set that may be resent, among those stored up to row id
+    `up_to` (the newest when the operator previewed them): rows stored since do not join
+    a selection the operator has not seen. Newest first."""
+    return resendable(messages_filter(flt)).filter(id__lte=up_to)
+
+
+def resendable_count(flt: MessageFilter, *, cap: int, up_to: int) -> int:
+    """How many of `resendable_selected` there are, counted up to `cap` + 1: a COUNT of a
+    LIMITed subquery, so a page over millions of failed rows stops counting at the cap."""
+    return resendable_selected(flt, up_to=up_to).order_by().values("id")[:cap + 1].count()
 
 
 def message_is_resendable(row: Message) -> bool:
@@ -105,3 +357,130 @@ def load_totals() -> tuple[int, int]:
     (messages/load.py), one row per agent rather than one per message."""
     totals = AgentLoad.objects.aggregate(inflight=Sum("inflight"), held=Sum("held"))
     return totals["inflight"] or 0, totals["held"] or 0
+
+
+# --- one message's trace (/messages/{id}/) -------------------------------------------------
+TRACE_MAX_ATTEMPTS = 50
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One stretch of time on the trace's axis: a state (from the transitions) or a hop."""
+
+    label: str  # a status, or "sent → published" and the like
+    start: datetime
+    end: datetime
+    open: bool = False  # still running now
+    left: float = 0.0  # percent of the axis
+    width: float = 0.0
+
+    @property
+    def ms(self) -> int:
+        return max(0, round((self.end - self.start).total_seconds() * 1000))
+
+
+@dataclass
+class AttemptTrace:
+    row: Message
+    transitions: list = field(default_factory=list)
+    states: list[Span] = field(default_factory=list)  # time spent in each status
+    hops: list[Span] = field(default_factory=list)  # sent → published → acked → response
+    replies: list[Message] = field(default_factory=list)
+    response: Message | None = None
+    notes: list[str] = field(default_factory=list)  # what reconciles odd-looking facts
+
+
+@dataclass
+class TaskTrace:
+    attempts: list[AttemptTrace]
+    start: datetime
+    end: datetime
+    more: int = 0  # attempts left out past TRACE_MAX_ATTEMPTS
+
+    @property
+    def total_ms(self) -> int:
+        return max(0, round((self.end - self.start).total_seconds() * 1000))
+
+
+def _hops(row: Message, response: Message | None, now: datetime) -> list[tuple[str, datetime,
+                                                                                 datetime]]:
+    """sent → published → acked → response, as far as the row got; a step it never took is
+    skipped, so a reply without a recorded PUBACK measures from the send."""
+    steps = [("sent", row.created_at), ("published", row.published_at),
+             ("acked", row.acked_at), ("response", response.created_at if response else None)]
+    known = [(name, at) for name, at in steps if at is not None]
+    return [(f"{a} → {b}", start, end) for (a, start), (b, end) in itertools.pairwise(known)]
+
+
+def task_trace(row: Message, *, now: datetime | None = None) -> TaskTrace:
+    """Every transmission of `row`'s task on one time axis: for each, the time spent in each
+    status (from its transitions), the hops sent → published → acked → response, its answers,
+    and notes where facts recorded at different moments need reading together. Three reads,
+    however many attempts."""
+    now = now or timezone.now()
+    attempts: list[Message] = []
+    more = 0
+    if row.task_id:
+        # The newest ones, read by the task index with a limit: a peer that reuses one task
+        # id for thousands of messages must not make every refresh of this page read them.
+        same = Message.objects.filter(task_id=row.task_id, direction=row.direction,
+                                      message_type=row.message_type)
+        newest = list(same.defer("payload").order_by("-created_at", "-id")
+                      [:TRACE_MAX_ATTEMPTS + 1])
+        if len(newest) > TRACE_MAX_ATTEMPTS:
+            more = same.count() - TRACE_MAX_ATTEMPTS
+            newest = newest[:TRACE_MAX_ATTEMPTS]
+        attempts = newest[::-1]
+    if row.pk not in {a.pk for a in attempts}:  # always this row
+        attempts = [row, *attempts[1:]] if more else [row, *attempts]
+        attempts.sort(key=lambda a: (a.created_at, a.pk))
+    by_pk = {a.pk: AttemptTrace(row=a) for a in attempts}
+    from messages.models import Transition  # the selectors' imports stay as they are
+
+    for t in Transition.objects.filter(message_id__in=list(by_pk)).order_by("at", "id"):
+        by_pk[t.message_id].transitions.append(t)
+    replies: dict[str, list[Message]] = {}
+    for reply in (Message.objects.filter(in_reply_to__in=[a.message_id for a in attempts])
+                  .order_by("created_at", "id")):
+        replies.setdefault(reply.in_reply_to, []).append(reply)
+    start = min(a.created_at for a in attempts)
+    end = start
+    for trace in by_pk.values():
+        a = trace.row
+        trace.replies = replies.get(a.message_id, [])
+        trace.response = next((r for r in trace.replies
+                               if r.message_type == MessageType.TASK_RESPONSE), None)
+        steps = trace.transitions or []
+        for this, following in itertools.zip_longest(steps, steps[1:]):
+            if this is None:
+                continue
+            if following is not None:
+                trace.states.append(Span(this.to_status, this.at, following.at))
+            elif a.status in OPEN_STATUSES:
+                trace.states.append(Span(this.to_status, this.at, now, open=True))
+            else:  # a final status: a point on the axis, not a stretch
+                trace.states.append(Span(this.to_status, this.at, this.at))
+        trace.hops = [Span(label, s, e) for label, s, e in _hops(a, trace.response, now)]
+        if a.status == Status.FAILED and a.published_at:
+            trace.notes.append(
+                f"The broker took it at {a.published_at:%H:%M:%S.%f} UTC (its PUBACK came after "
+                "the console had ended it FAILED): it was published, late. The receiver may "
+                "still run it; an answer from it corrects this row.")
+        # Only our own sends get a PUBACK; a row seen between other nodes never has one.
+        if a.direction == Direction.SEND and a.published_at is None and a.acked_at is not None:
+            trace.notes.append("No PUBACK was recorded, but the receiver acknowledged it: the "
+                               "broker did take it.")
+        end = max([end, *(s.end for s in trace.states), *(h.end for h in trace.hops),
+                   *(r.created_at for r in trace.replies)])
+    axis = max((end - start).total_seconds(), 0.001)
+
+    def placed(span: Span) -> Span:
+        left = (span.start - start).total_seconds() / axis * 100
+        width = (span.end - span.start).total_seconds() / axis * 100
+        return Span(span.label, span.start, span.end, span.open, round(left, 3),
+                    round(max(width, 0.4), 3))
+
+    for trace in by_pk.values():
+        trace.states = [placed(s) for s in trace.states]
+        trace.hops = [placed(h) for h in trace.hops]
+    return TaskTrace(attempts=[by_pk[a.pk] for a in attempts], start=start, end=end, more=more)

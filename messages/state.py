@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 from django.db import OperationalError, connection, models, transaction
 
-from messages.events import message_events
+from messages.events import message_events, publisher
 from messages.load import Deltas, slot_of
-from messages.models import TRANSITIONS, Message, Transition
+from messages.models import TRANSITIONS, Message, Status, Transition
 from messages.tally import ANSWERED, DeliveryTally
 
 T = TypeVar("T")
@@ -202,10 +202,18 @@ def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
                     moves.append((row, change))
         result.skipped += len(group) - len(moves) - refused
         rows = [row for row, _ in moves]
+        corrected = False
         for row, change in moves:
             previous, slot = row.status, slot_of(row)
             row.status = to
             row.updated_at = now
+            if previous == Status.FAILED:
+                # The receiver answered, so the broker did take it: the FAILED words ("not
+                # published", "the broker did not take it") and its end time are no longer
+                # true, and a row must not say them beside its answer. The change's own
+                # fields (a NACK's reason, a response's end) are set just below.
+                row.error, row.finished_at = "", None
+                corrected = True
             for name, value in change.fields.items():
                 setattr(row, name, value)
             deltas.move(row.to_agent_id, slot, slot_of(row))
@@ -217,12 +225,47 @@ def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
             result.events += message_events(row, previous=previous, reason=change.reason)
             result.messages.append(row)
         if rows:
-            Message.objects.bulk_update(rows, ["status", "updated_at", *field_names])
+            also = [f for f in ("error", "finished_at") if corrected and f not in field_names]
+            Message.objects.bulk_update(rows, ["status", "updated_at", *field_names, *also])
     Transition.objects.bulk_create(transitions)
     deltas.write()
     tally.on_commit()
     result.freed = deltas.freed()
     return result
+
+
+LATE_PUBACK = ("the broker took it at {at:%H:%M:%S} UTC, after the console had already "
+               "ended it as not published (its deadline passed first); the receiver may "
+               "still run it, and an answer from it corrects this row")
+
+
+def late_pubacks_record(*, pks: list[int], now: datetime) -> None:
+    """PUBACKs for rows that had moved on before the PUBACK was recorded. One that an ACK
+    overtook keeps the time the broker took it. One that the deadline sweep had already
+    ended FAILED ("not published …") gets the time too, and words that say what happened
+    instead of the ones the PUBACK proved wrong: a row never says "the broker did not take
+    it" beside a published time."""
+    words = LATE_PUBACK.format(at=now)
+    with transaction.atomic():
+        pending = Message.objects.filter(pk__in=pks, published_at__isnull=True)
+        pending.exclude(status=Status.FAILED).update(published_at=now)
+        failed = list(pending.filter(status=Status.FAILED).select_for_update())
+        if not failed:
+            return
+        Message.objects.filter(pk__in=[r.pk for r in failed], status=Status.FAILED).update(
+            published_at=now, error=words, updated_at=now)
+        # The trace keeps what was believed at the deadline and then what the PUBACK showed:
+        # a step in place (the status stays; only an answer may move a final row).
+        Transition.objects.bulk_create([
+            Transition(message=r, from_status=Status.FAILED, to_status=Status.FAILED, at=now,
+                       reason=f"late PUBACK: {words}", actor="bridge") for r in failed])
+        events = []
+        for r in failed:
+            r.published_at, r.error, r.updated_at = now, words, now
+            events += message_events(r, previous=Status.FAILED, reason="late PUBACK")
+        # Pushed, not counted: the row's status did not change (reach_messages_total
+        # counted its FAILED already).
+        transaction.on_commit(lambda: publisher.publish(events))
 
 
 def _transient(exc: BaseException) -> bool:

@@ -17,6 +17,8 @@ from django.utils.cache import patch_vary_headers
 from django.utils.html import escape
 from django.utils.http import url_has_allowed_host_and_scheme
 
+from reachconsole.core.roles import action_refused_words
+
 # (title, words, API error code) by status; CSRF failures have their own.
 WORDS = {
     400: ("Bad request",
@@ -48,7 +50,7 @@ log = logging.getLogger(__name__)
 # When the page itself cannot be rendered (the template or the database failing too).
 PLAIN = ("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{title}</title>"
          "</head><body><h1 data-error-status=\"{status}\">{title}</h1><p data-error-detail>"
-         "{detail}</p><p><a href=\"/\">Back to the overview</a></p></body></html>")
+         "{detail}</p><p><a href=\"/overview/\">Back to the overview</a></p></body></html>")
 
 
 def _is_api(request: HttpRequest) -> bool:
@@ -98,6 +100,13 @@ def bad_request(request: HttpRequest, exception: Exception | None = None) -> Htt
 
 def permission_denied(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     title, detail, code = WORDS[403]
+    user = getattr(request, "user", None)
+    if exception is not None and str(exception):
+        detail = str(exception)  # a view that says why in its own words
+    elif request.method == "POST" and user is not None and user.is_authenticated:
+        # A page action (resend, drain, …) refused by its permission check: the person is
+        # signed in, so the missing piece is the operator role (reachconsole/core/roles.py).
+        detail = action_refused_words(user.get_username())
     return error_response(request, 403, title, detail, code)
 
 

@@ -55,6 +55,12 @@ def _check_broker() -> tuple[bool, str]:
     except Exception as exc:
         return False, f"cannot tell (database: {type(exc).__name__})"
     if not live:
+        # The bridges say why they cannot connect (wrong password, untrusted certificate…).
+        from messages.broker_caps import connect_errors
+
+        errors = connect_errors()
+        if errors:
+            return False, "no MQTT bridge hears the bus: " + "; ".join(errors)
         return False, ("no MQTT bridge hears the bus: is a Celery worker running "
                        "(REACH_BRIDGE=1), and can it reach MQTT_URL?")
     names = ", ".join(row.instance for row in live)

@@ -211,6 +211,14 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 MQTT_URL = env_str("MQTT_URL") or None
 if MQTT_URL and urlparse(MQTT_URL).scheme not in {"mqtt", "mqtts", "tcp"}:
     raise ImproperlyConfigured(f"MQTT_URL={MQTT_URL!r}: use mqtt://host:port or mqtts://host:port")
+# Credentials: user:password in MQTT_URL (percent-encoded), else these (MQTT_PASSWORD_FILE
+# works too). mqtts:// verifies the broker against MQTT_CA_FILE, else the system's CAs
+# (messages/mqtt_client.py builds every client from these).
+MQTT_USERNAME = env_str("MQTT_USERNAME") or None
+MQTT_PASSWORD = env_str("MQTT_PASSWORD") or None
+MQTT_CA_FILE = env_str("MQTT_CA_FILE") or None
+if MQTT_CA_FILE and not Path(MQTT_CA_FILE).is_file():
+    raise ImproperlyConfigured(f"MQTT_CA_FILE={MQTT_CA_FILE} is not a readable file")
 MQTT_TOPIC_PREFIX = env_str("MQTT_TOPIC_PREFIX", "ooder")
 REACH_EMBEDDED_MQTT_PORT = env_int("REACH_EMBEDDED_MQTT_PORT", 1883, minimum=1)
 REACH_NODE_ID = env_str("REACH_NODE_ID", "console")
@@ -245,6 +253,19 @@ MQTT_MAX_QUEUED = env_int("MQTT_MAX_QUEUED", 10000, minimum=10)
 REACH_BRIDGE = env_bool("REACH_BRIDGE", True)  # run the MQTT bridge in Celery workers
 REACH_BRIDGE_INSTANCE = env_str("REACH_BRIDGE_INSTANCE", "1")
 REACH_BRIDGE_BATCH = env_int("REACH_BRIDGE_BATCH", 500, minimum=1)
+# Scaling out (README "Scaling out"): the bridges of one console share the inbound topics
+# through MQTT 5 shared subscriptions in this group. Per console by default, so two consoles
+# on one broker each get every message and their own bridges split it.
+REACH_BRIDGE_SHARE_GROUP = env_str("REACH_BRIDGE_SHARE_GROUP", REACH_CONSOLE_ID)
+if not REACH_BRIDGE_SHARE_GROUP or set(REACH_BRIDGE_SHARE_GROUP) & set("/+#"):
+    raise ImproperlyConfigured(f"REACH_BRIDGE_SHARE_GROUP={REACH_BRIDGE_SHARE_GROUP!r}: a "
+                               "shared-subscription group name has no '/', '+' or '#'")
+# auto: shared where the broker allows it, else one active bridge (an advisory lock in
+# PostgreSQL); shared / single force either (messages/bridge.py INGEST_CHOICES).
+REACH_BRIDGE_INGEST = env_str("REACH_BRIDGE_INGEST", "auto")
+if REACH_BRIDGE_INGEST not in {"auto", "shared", "single"}:
+    raise ImproperlyConfigured(f"REACH_BRIDGE_INGEST={REACH_BRIDGE_INGEST!r}: use auto, shared "
+                               "or single")
 # The outbox (messages/outbox.py): how long a bridge's claim on a SENT row lasts before
 # another bridge may publish it again, and how often bridges look without being woken.
 REACH_OUTBOX_CLAIM_S = env_float("REACH_OUTBOX_CLAIM_S", 10.0, minimum=1.0)

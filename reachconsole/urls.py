@@ -2,13 +2,15 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from reachconsole import health
+from reachconsole import audit_views, health, overview
 from reachconsole.api import api
 
 urlpatterns = [
     path("", include("roster.urls")),
     path("directory/", include("directory.urls")),
     path("messages/", include("messages.urls")),
+    path("audit/", audit_views.audit_list, name="audit"),
+    path("overview/", overview.overview, name="overview"),
     # Throttled by django-axes like every password check (reachconsole/login.py).
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),

@@ -162,7 +162,7 @@ _AGENT_LINKS = {
     "links": {
         name: {"operationId": f"roster_api_{name}",
                "parameters": {"agent_id": "$response.body#/agentId"}}
-        for name in ("agent_detail", "heartbeat", "drain", "deregister")
+        for name in ("agent_detail", "heartbeat", "drain", "undrain", "deregister")
     },
 }
 
@@ -251,6 +251,17 @@ def heartbeat(request: HttpRequest, agent_id: AgentId, body: HeartbeatIn | None 
 def drain(request: HttpRequest, agent_id: AgentId):
     agent = _existing_agent(request, agent_id, action="drain")
     agent = services.agent_drain(agent_id=agent.agent_id, actor=request.auth.label)
+    agent.refresh_from_db()
+    return Status(200, _agent_out(agent, timezone.now()))
+
+
+@router.post("/agents/{agent_id}/undrain", response={200: AgentOut, **refusals(404, 409)},
+             by_alias=True)
+def undrain(request: HttpRequest, agent_id: AgentId):
+    """Undo a drain: the agent takes new work again. 404 once it left the roster, 409 when
+    its lease lapsed while draining (it is leaving)."""
+    agent = _existing_agent(request, agent_id, action="undrain")
+    agent = services.agent_undrain(agent_id=agent.agent_id, actor=request.auth.label)
     agent.refresh_from_db()
     return Status(200, _agent_out(agent, timezone.now()))
 

@@ -64,6 +64,11 @@ class ConsoleAgent(RosterError):
     status = 403
 
 
+class LeaseLapsed(RosterError):
+    code = "lease_lapsed"
+    status = 409
+
+
 AGENT_ID_HELP = (
     "an agent id is `{namespace}.{name}` (or `namespace/name`): a lowercase namespace of "
     "letters, digits, '-' or '_', then a name of such segments joined by '.'; 265 characters "
@@ -115,6 +120,10 @@ CONSOLE_NODE = (
 CONSOLE_NODE_DRAIN = (
     "node {node_id} is the console's own node: its agents are the console's, and they stop "
     "with it, not by a drain"
+)
+LEASE_LAPSED_UNDRAIN = (
+    "{agent_id}'s lease lapsed at {at} while it was draining: it is leaving the roster "
+    "(phase 2) and cannot be undrained. Register it again from the node that runs it"
 )
 CONSISTENCY_NEEDS_ALL_NAMESPACES = (
     "the roster-wide consistency report needs a token not bound to namespaces"

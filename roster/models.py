@@ -126,10 +126,12 @@ class Agent(models.Model):
     namespace = models.ForeignKey(Namespace, on_delete=models.PROTECT, related_name="agents")
     # As long as the longest agent id: a one-letter namespace leaves 263 characters of name.
     name = models.CharField(max_length=265)
-    agent_id = models.CharField(max_length=265, unique=True)
+    # Unique through Meta.constraints, not unique=True, which on PostgreSQL also builds a
+    # varchar_pattern_ops index for LIKE 'x%' that no query runs (see the indexes below).
+    agent_id = models.CharField(max_length=265)
     # The capability segment (last segment of the name), stored by agent_register so the
     # directory can look it up by index.
-    segment = models.CharField(max_length=64, db_index=True, default="")
+    segment = models.CharField(max_length=64, default="")
     node = models.ForeignKey(ClusterNode, on_delete=models.PROTECT, related_name="agents")
     version = models.CharField(max_length=64, blank=True)
     endpoint = models.CharField(max_length=500, blank=True)
@@ -139,7 +141,7 @@ class Agent(models.Model):
     metadata = models.JSONField(default=dict, blank=True)
     max_inflight = models.PositiveIntegerField(default=8)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.ONLINE)
-    lease_expires_at = models.DateTimeField(db_index=True)
+    lease_expires_at = models.DateTimeField()
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     drained_at = models.DateTimeField(null=True, blank=True)
     expired_at = models.DateTimeField(null=True, blank=True)
@@ -150,10 +152,24 @@ class Agent(models.Model):
 
     class Meta:
         ordering = ["agent_id"]
+        # Few indexes, because the lease sweep rewrites every lapsed row (status is indexed,
+        # so no update is HOT): each index here costs a sweep of 100,000 lapsed leases about
+        # 0.2 s (docs/performance.md). Every index is read by a query named beside it.
+        constraints = [
+            # agent_id = %s (the directory's first level, every API call by id), agent_id__in
+            # (heartbeats), agent_id > cursor (API paging).
+            models.UniqueConstraint(fields=["agent_id"], name="roster_agent_agent_id_uniq"),
+        ]
         indexes = [
-            models.Index(fields=["status", "lease_expires_at"], name="agent_status_lease"),
-            # Stale agents (ONLINE, not heard for two heartbeats): the problem rows the pages
-            # list first, found without reading the healthy ones.
+            # The directory's third level: segment = %s (directory/resolver.py).
+            models.Index(fields=["segment"], name="agent_segment"),
+            # The lease sweep's claim, over the rows that can still lapse only: an agent the
+            # sweep takes OFFLINE leaves this index, so the update writes no entry into it.
+            models.Index(fields=["lease_expires_at"], name="agent_lease_live",
+                         condition=models.Q(status__in=["ONLINE", "DRAINING"])),
+            # Stale agents (ONLINE, not heard for two heartbeats) and the DRAINING and
+            # OFFLINE ones: the problem rows the pages list first, found without reading the
+            # healthy ones (roster/selectors.py _problem_q).
             models.Index(fields=["status", "last_heartbeat_at"], name="agent_status_heard"),
         ]
         permissions = [("drain_agent", "Can drain and deregister agents from the console")]
@@ -198,6 +214,7 @@ class RosterEvent(models.Model):
         REGISTERED = "REGISTERED", "registered"
         MOVED = "MOVED", "moved to another node"
         DRAINED = "DRAINED", "drain started"
+        UNDRAINED = "UNDRAINED", "drain undone: takes new work again"
         DEREGISTERED = "DEREGISTERED", "deregistered"
         EXPIRED = "EXPIRED", "lease expired"
         REMOVED = "REMOVED", "removed after drain"
@@ -205,7 +222,7 @@ class RosterEvent(models.Model):
         CONFLICT = "CONFLICT", "listed by another node"
 
     at = models.DateTimeField(default=timezone.now, db_index=True)
-    agent_id = models.CharField(max_length=265, db_index=True)
+    agent_id = models.CharField(max_length=265)
     node_id = models.CharField(max_length=128, blank=True)
     kind = models.CharField(max_length=16, choices=Kind.choices)
     actor = models.CharField(max_length=150, blank=True, help_text="user, token or sweeper")
@@ -213,7 +230,13 @@ class RosterEvent(models.Model):
 
     class Meta:
         ordering = ["-at", "-id"]
-        indexes = [models.Index(fields=["kind", "at"], name="rosterevent_kind_at")]
+        indexes = [
+            models.Index(fields=["kind", "at"], name="rosterevent_kind_at"),
+            # One agent's history, newest first (the agent page). Not db_index=True on
+            # agent_id: on PostgreSQL that adds a LIKE index no query uses, which every
+            # history row (100,000 in a big lease sweep) would pay for.
+            models.Index(fields=["agent_id", "-at"], name="rosterevent_agent_at"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M:%S} {self.agent_id} {self.kind}"

@@ -11,7 +11,7 @@ from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from roster.hearing import bus_heard_since
-from roster.models import Agent, ClusterNode, RosterEvent, stale_cutoff
+from roster.models import Agent, ClusterNode, Consistency, RosterEvent, stale_cutoff
 from roster.services import node_down_after
 
 # Each heartbeat that lists a misplaced agent writes one event: the newest few thousand are
@@ -233,3 +233,36 @@ def recent_conflicts(*, now: datetime | None = None,
         for node_id in {claimed_by, conflict.placed_on} - {""}:
             out.setdefault(node_id, []).append(conflict)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSummary:
+    """The cluster at a glance (the overview page)."""
+
+    total: int
+    online: int  # in service and heard within three heartbeat intervals
+    down: int  # in service and silent
+    retired: int  # taken out of service by an operator
+    consistency: dict[str, int]  # what the last reconciliation said: OK, STALE, UNKNOWN
+    attention: list[ClusterNode]  # the first few that are down, STALE or retired, by node id
+
+
+def node_summary(*, attention: int = 10) -> NodeSummary:
+    """Nodes by status and by class, and the first few that need attention: two reads,
+    whatever the cluster's size."""
+    in_service = Q(retired=False)
+    counts = ClusterNode.objects.aggregate(
+        total=Count("id"),
+        online=Count("id", filter=in_service & Q(status=ClusterNode.Status.ONLINE)),
+        down=Count("id", filter=in_service & Q(status=ClusterNode.Status.DOWN)),
+        retired=Count("id", filter=Q(retired=True)),
+        **{cls: Count("id", filter=Q(consistency=cls)) for cls in Consistency.values},
+    )
+    needs = (Q(retired=True) | Q(status=ClusterNode.Status.DOWN)
+             | Q(consistency=Consistency.STALE))
+    return NodeSummary(
+        total=counts["total"], online=counts["online"], down=counts["down"],
+        retired=counts["retired"],
+        consistency={cls: counts[cls] for cls in Consistency.values},
+        attention=list(ClusterNode.objects.filter(needs).order_by("node_id")[:attention]),
+    )

@@ -367,9 +367,11 @@ def _agent_for_update(agent_id: str) -> Agent:
 def agent_drain(*, agent_id: str, actor: str = "", now: datetime | None = None) -> Agent:
     """Phase 1 of leaving: from this moment no new work is routed to the agent.
 
-    Its lease keeps running so work already in flight can finish; when the lease lapses the
-    sweeper removes it. Draining twice changes nothing, but is audited all the same: the
-    request was made and accepted.
+    Its lease keeps running so work already accepted for it can finish on it: in flight,
+    held behind its maxInflight, and retries of attempts it was sent (the directory's
+    `accepted` resolution); when the lease lapses the sweeper removes it, and what is
+    still held or retrying for it then ends UNDELIVERABLE with words. Draining twice changes
+    nothing, but is audited all the same: the request was made and accepted.
     """
     now = now or timezone.now()
     with transaction.atomic():
@@ -389,6 +391,34 @@ def _drain(agent: Agent, *, actor: str, now: datetime) -> None:
             actor=actor, at=now,
         )
     audit_record(actor=actor, action="drain", target=agent.agent_id)
+
+
+def agent_undrain(*, agent_id: str, actor: str = "", now: datetime | None = None) -> Agent:
+    """Undo phase 1: the agent takes new work again. Its lease is not renewed here (only the
+    agent's own heartbeat proves it is alive).
+
+    An agent whose lease lapsed while draining is leaving (phase 2): refused with words, even
+    before the sweeper has removed it, so an undrain never revives a silent agent. An agent
+    that is not draining is left as it is, audited all the same (as a repeated drain is)."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        agent = _agent_for_update(agent_id)
+        if agent.status == Agent.Status.DRAINING:
+            if agent.lease_lapsed(now):
+                raise errors.LeaseLapsed(errors.LEASE_LAPSED_UNDRAIN.format(
+                    agent_id=agent.agent_id, at=agent.lease_expires_at.isoformat()))
+            agent.status = Agent.Status.ONLINE
+            agent.drained_at = None
+            agent.save(update_fields=["status", "drained_at", "updated_at"])
+            Event.objects.create(
+                agent_id=agent.agent_id, node_id=agent.node.node_id, kind=Event.Kind.UNDRAINED,
+                actor=actor, at=now,
+            )
+            detail = "takes new work again"
+        else:
+            detail = f"was {agent.status}, not draining: nothing changed"
+        audit_record(actor=actor, action="undrain", target=agent.agent_id, detail=detail)
+    return agent
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,20 +535,26 @@ def leases_expire(*, now: datetime | None = None, batch: int = 20_000,
 
 
 # One statement a batch: claim, change, delete and write the history in the database, with
-# no per-row parameters (a batch of any size binds five values).
+# no per-row parameters (a batch of any size binds five values). The claim reads the partial
+# index agent_lease_live (rows that can still lapse); the update and the delete look their
+# rows up from the claimed ids (= ANY), not by a hash join against a scan of the whole table,
+# so a batch costs the same whether the roster holds 20,000 agents or millions.
 _EXPIRE_SQL = """
 WITH lapsed AS (
-    SELECT id FROM roster_agent
+    SELECT id, status FROM roster_agent
     WHERE status IN ('ONLINE', 'DRAINING') AND lease_expires_at < %(now)s
     ORDER BY lease_expires_at LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
 ), went_offline AS (
     UPDATE roster_agent a SET status = 'OFFLINE', expired_at = %(now)s, inflight = 0,
                               updated_at = %(now)s
-    FROM lapsed WHERE a.id = lapsed.id AND a.status = 'ONLINE'
+    WHERE a.id = ANY (ARRAY(SELECT id FROM lapsed WHERE status = 'ONLINE'))
+      AND a.status = 'ONLINE'
     RETURNING a.agent_id, a.node_id
 ), removed AS (
-    DELETE FROM roster_agent a USING lapsed WHERE a.id = lapsed.id AND a.status = 'DRAINING'
+    DELETE FROM roster_agent a
+    WHERE a.id = ANY (ARRAY(SELECT id FROM lapsed WHERE status = 'DRAINING'))
+      AND a.status = 'DRAINING'
     RETURNING a.agent_id, a.node_id
 ), history AS (
     INSERT INTO roster_rosterevent (at, agent_id, node_id, kind, actor, detail)

@@ -7,6 +7,7 @@ urlpatterns = [
     path("", views.health, name="health"),
     path("agents/<str:agent_id>/", views.agent_detail, name="agent"),
     path("agents/<str:agent_id>/drain", views.agent_drain, name="drain"),
+    path("agents/<str:agent_id>/undrain", views.agent_undrain, name="undrain"),
     path("agents/<str:agent_id>/deregister", views.agent_deregister, name="deregister"),
     path("cluster/", views.nodes, name="nodes"),
     path("cluster/reconcile", views.cluster_reconcile_now, name="reconcile"),

@@ -15,6 +15,7 @@ from django.views.decorators.vary import vary_on_headers
 from reachconsole.core.audit import audit_record
 from roster import services
 from roster.errors import RosterError
+from roster.loads import LOAD_MEANING, agents_load
 from roster.models import Agent, ClusterNode, Reconciliation, RosterEvent
 from roster.reconcile import cluster_reconcile, last_reconciliation
 from roster.selectors import (
@@ -51,6 +52,9 @@ def health(request: HttpRequest) -> HttpResponse:
     now = timezone.now()
     after = request.GET.get("after", "")[:300]
     page = agents_page(flt, after=after, size=PAGE_SIZE, now=now)
+    loads = agents_load(page.agents)
+    for agent in page.agents:
+        agent.load = loads[agent.agent_id]
     query = flt.as_query()
     context = {
         # Written by the MQTT bridge (messages app) when the broker reports dropped messages.
@@ -60,7 +64,7 @@ def health(request: HttpRequest) -> HttpResponse:
         "next_query": urlencode({**query, "after": page.next_cursor}) if page.next_cursor
         else "", "first_query": urlencode(query),
         "counts": roster_counts(now=now), "flt": flt, "query": query,
-        "choices": filter_choices(), "now": now,
+        "choices": filter_choices(), "now": now, "load_meaning": LOAD_MEANING,
     }
     if request.htmx and request.htmx.target == "roster-live":
         return render(request, "roster/_health_live.html", context)
@@ -87,7 +91,13 @@ def _agent_action(request: HttpRequest, agent_id: str, action: str) -> HttpRespo
     try:
         if action == "drain":
             services.agent_drain(agent_id=agent_id, actor=actor)
-            messages.success(request, f"{agent_id} is draining: no new work is routed to it.")
+            messages.success(request, f"{agent_id} is draining: no new work is routed to it; "
+                             "work already accepted for it (in flight, held, retrying) "
+                             "finishes on it while its lease holds.")
+            return redirect("roster:agent", agent_id=agent_id)
+        if action == "undrain":
+            services.agent_undrain(agent_id=agent_id, actor=actor)
+            messages.success(request, f"{agent_id} takes new work again.")
             return redirect("roster:agent", agent_id=agent_id)
         node_id = services.agent_deregister(agent_id=agent_id, actor=actor)
         messages.success(request, f"{agent_id} was deregistered from node {node_id}.")
@@ -97,6 +107,13 @@ def _agent_action(request: HttpRequest, agent_id: str, action: str) -> HttpRespo
         # is audited here.
         audit_record(actor=actor, action=action, target=agent_id, result="refused",
                      detail=exc.detail)
+        if action == "undrain":
+            # An agent gone from the roster (its lease lapsed while draining: phase 2) has no
+            # page to go back to: the answer is the refusal itself, with its status.
+            return render(request, "errors/error.html", {
+                "status": exc.status, "detail": exc.detail,
+                "title": "Not on the roster" if exc.status == 404 else "Not undrained",
+            }, status=exc.status)
         messages.error(request, exc.detail)
         return redirect("roster:health")
 
@@ -106,6 +123,13 @@ def _agent_action(request: HttpRequest, agent_id: str, action: str) -> HttpRespo
 @permission_required("roster.change_agent", raise_exception=True)
 def agent_drain(request: HttpRequest, agent_id: str) -> HttpResponse:
     return _agent_action(request, agent_id, "drain")
+
+
+@require_POST
+@login_required
+@permission_required("roster.change_agent", raise_exception=True)
+def agent_undrain(request: HttpRequest, agent_id: str) -> HttpResponse:
+    return _agent_action(request, agent_id, "undrain")
 
 
 @require_POST
@@ -183,7 +207,8 @@ def _node_action(request: HttpRequest, node_id: str, action: str) -> HttpRespons
         if action == "drain-node":
             drained = services.node_drain(node_id=node_id, actor=actor)
             messages.success(request, f"Node {node_id}: {len(drained)} agent(s) now draining; "
-                             "work in flight finishes.")
+                             "work already accepted for them (in flight, held, retrying) "
+                             "finishes on them while their leases hold.")
         else:
             retire = action == "retire-node"
             services.node_retire(node_id=node_id, retired=retire, actor=actor)

@@ -35,3 +35,11 @@ def chromium_page() -> Iterator:
             yield page
         finally:
             browser.close()
+
+
+def sign_in(page, base: str, username: str, password: str, next_path: str = "/") -> None:
+    """Sign in through the login form, then land on `next_path`."""
+    page.goto(f"{base}/accounts/login/?next={next_path}")
+    page.fill("input[name=username]", username)
+    page.fill("input[name=password]", password)
+    page.click("button[type=submit]")

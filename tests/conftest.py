@@ -4,6 +4,7 @@ import os
 from datetime import datetime, timedelta
 
 import pytest
+from django.conf import settings
 from django.test import Client
 from django.utils import timezone
 
@@ -54,9 +55,17 @@ class ApiClient:
 def _no_delivery_tallies_of_earlier_tests():
     """Readiness judges the deliveries of the last seconds, tallied in a cache that earlier
     tests of this process (or run) shared: each test starts without theirs."""
+    from django.core.cache import cache
+
+    from directory.coverage import CACHE_KEY
     from reachconsole.core.metrics import delivery_forget
 
     delivery_forget()
+    # Nor the capability coverage an earlier test's overview kept for a few seconds.
+    try:
+        cache.delete(CACHE_KEY)
+    except Exception:  # noqa: S110 - a test that took the cache away; nothing was kept
+        pass
 
 
 @pytest.fixture
@@ -165,3 +174,24 @@ def console_hears(db):
     staleness and silence are judged on the clock alone, as tests that move `now` expect."""
     moment = timezone.now()
     bus_heard(since=moment - timedelta(days=1), until=moment + timedelta(days=1))
+
+
+def published(row, when: datetime) -> None:
+    """What the bridge records on the broker's PUBACK for `row`, at `when`."""
+    from messages.models import Status
+    from messages.state import Change, changes_apply
+
+    deadline = when + timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS)
+    changes_apply([Change(pk=row.pk, to=Status.PUBLISHED, allowed=frozenset({Status.SENT}),
+                          actor="bridge", reason="PUBACK",
+                          fields={"published_at": when, "publish_at": None,
+                                  "ack_deadline_at": deadline})], now=when)
+
+
+def acked(row, when: datetime) -> None:
+    """What the bridge records when the receiver's ACK for `row` arrives at `when`."""
+    from messages.models import Status
+    from messages.state import Change, changes_apply
+
+    changes_apply([Change(pk=row.pk, to=Status.ACKED, actor="bridge", reason="ACK",
+                          fields={"acked_at": when, "ack_deadline_at": None})], now=when)

@@ -33,6 +33,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from messages import protocol
+from messages.mqtt_client import broker_target, mqtt_client
 
 log = logging.getLogger(__name__)
 MT = protocol.MessageType
@@ -128,8 +129,9 @@ class FakeNode:
     def start(self, *, register: bool = True, timeout: float = 30) -> FakeNode:
         if register:
             self.register(timeout)
-        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
-                             protocol=mqtt.MQTTv5)
+        # The console's own factory: a broker that wants credentials gets the configured ones.
+        client = mqtt_client(client_id=self.client_id, target=broker_target(
+            f"mqtt://{self.mqtt_host}:{self.mqtt_port}", protocol="5"))
         client.on_connect = self._guard(self._on_connect)
         client.on_disconnect = self._guard(self._on_disconnect)
         client.on_subscribe = self._guard(self._on_subscribe)

@@ -13,6 +13,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from django.conf import settings
 
+from messages.mqtt_client import broker_target, mqtt_client
 from reachconsole.dev.embedded_broker import EmbeddedBroker
 
 
@@ -30,13 +31,12 @@ class BrokerInfo:
         self.host, self.port = parsed.hostname, parsed.port or 1883
 
     def client(self, client_id: str = "") -> mqtt.Client:
-        client = mqtt.Client(
-            mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
-            protocol=mqtt.MQTTv5 if self.protocol == "5" else mqtt.MQTTv311,
-        )
+        # The console's own factory: MQTT_CA_FILE and the credentials apply here too.
+        target = broker_target(self.url, protocol=self.protocol)
+        client = mqtt_client(target=target, client_id=client_id)
         connected = threading.Event()
         client.on_connect = lambda c, u, f, rc, p: connected.set()
-        client.connect(self.host, self.port)
+        client.connect(target.host, target.port)
         client.loop_start()
         assert connected.wait(10), f"could not connect to {self.url}"
         return client

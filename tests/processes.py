@@ -4,10 +4,12 @@ database's URL for them, and a stock `daphne` serving the console until the test
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,3 +72,37 @@ def daphne_serving(run_dir: Path, **env: str) -> Iterator[tuple[int, Path]]:
     finally:
         stop_process(proc)
         log.close()
+
+
+@contextmanager
+def console_serving(port: int, run_dir: Path) -> Iterator[subprocess.Popen]:
+    """The console as people run it, on the test database: a stock daphne in production
+    shape; `manage.py runconsole` on embedded defaults (its one process binds the in-memory
+    channel layer to Daphne's loop, which a bare daphne without Redis cannot)."""
+    env = {**os.environ, "DATABASE_URL": database_url(), "DJANGO_SECRET_KEY": settings.SECRET_KEY,
+           "REACH_SERVICE_TOKENS": TOKEN, "REACH_RUN_DIR": str(run_dir),
+           "REACH_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
+    if settings.EMBEDDED:
+        env["REACH_EMBEDDED_MQTT_PORT"] = str(free_port())
+        argv = [sys.executable, "manage.py", "runconsole", "--host", HOST, "--port", str(port),
+                "--no-worker", "--simulate-nodes", "0"]
+    else:
+        argv = [str(Path(sys.executable).parent / "daphne"), "-b", HOST, "-p", str(port),
+                "reachconsole.asgi:application"]
+    with open(run_dir / f"console-{port}.log", "a") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(port, proc)
+            yield proc
+        finally:
+            stop_process(proc)
+
+
+def api_send(port: int, to: str) -> str:
+    """A send through the console's own API; returns the message id."""
+    request = urllib.request.Request(
+        f"http://{HOST}:{port}/api/a2a/send", data=json.dumps({"to": to}).encode(),
+        method="POST", headers={"Authorization": f"Bearer {TOKEN}", "X-OODER-Source": "studio",
+                                "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())["messageId"]

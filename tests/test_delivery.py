@@ -17,23 +17,15 @@ from messages.inbound import Incoming, messages_ingest
 from messages.models import Direction, Message, Status
 from messages.outbound import SendRefused, SendRequest, message_send
 from messages.outbox import outbox_claim
-from messages.state import Change, changes_apply
 from messages.sweeps import deliveries_sweep
 from reachconsole.core.audit import AuditEntry
 from roster import services
-from tests.conftest import register, run_at_once
+from tests.conftest import published, register, run_at_once
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 MT = protocol.MessageType
 
 
-def publish(row: Message, when) -> None:
-    """What the bridge does on PUBACK."""
-    changes_apply([Change(pk=row.pk, to=Status.PUBLISHED, allowed=frozenset({Status.SENT}),
-                          actor="bridge", reason="PUBACK",
-                          fields={"published_at": when,
-                                  "ack_deadline_at": when + timedelta(
-                                      milliseconds=settings.REACH_ACK_TIMEOUT_MS)})], now=when)
 
 
 def answer(kind: MT, for_id: str, **payload) -> None:
@@ -62,7 +54,7 @@ def test_an_unanswered_task_is_tried_five_times_then_expires(now):
     for attempt in range(1, 6):
         assert (row.attempt, row.task_id, row.idempotency_key) == (attempt, "job-1", "job-1")
         services.agent_renew(agent_id="fin.tax", now=moment)
-        publish(row, moment)
+        published(row, moment)
         moment += timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS + 1)
         deliveries_sweep(now=moment)
         row.refresh_from_db()
@@ -101,7 +93,7 @@ def test_the_tasks_deadline_bounds_the_attempts(now):
     register("fin.tax", "node-b", now=now)
     row = message_send(request=SendRequest(to="fin.tax", timeout_ms=settings.REACH_ACK_TIMEOUT_MS
                                            + 50), now=now)
-    publish(row, now)
+    published(row, now)
     deliveries_sweep(now=now + timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS + 1))
     row.refresh_from_db()
     assert row.status == Status.EXPIRED and "deadline (timeoutMs)" in row.error
@@ -183,14 +175,17 @@ def test_capability_routing_goes_around_a_full_agent(now):
     assert not first.held and not second.held
 
 
-def test_held_work_for_an_agent_that_leaves_is_undeliverable(now):
+def test_held_work_for_an_agent_that_drains_still_goes_to_it(now):
+    # A drain stops new work only: what was held for the agent before it finishes there
+    # (tests/test_drain.py has the rest: retries, the lease lapsing, both databases).
     register("fin.tax", "node-b", max_inflight=1, now=now)
     first = message_send(request=SendRequest(to="fin.tax"))
     held = message_send(request=SendRequest(to="fin.tax"))
     services.agent_drain(agent_id="fin.tax")
     answer(MT.ACK, first.message_id)
     held.refresh_from_db()
-    assert held.status == Status.UNDELIVERABLE and "draining" in held.error
+    assert (held.status, held.held, held.target_node_id) == (Status.SENT, False, "node-b")
+    assert held.publish_at is not None and held.error == ""
 
 
 def test_a_resend_keeps_the_task_and_is_audited(now, api):
@@ -360,7 +355,7 @@ def test_held_work_follows_its_agent_to_its_new_node_but_never_swaps_an_explicit
     # The agent moves to node-c while its work is held.
     services.agent_deregister(agent_id="fin.tax", actor="test")
     register("fin.tax", "node-c", max_inflight=2, now=now)
-    publish(first, now)
+    published(first, now)
     answer(MT.ACK, first.message_id)
     held.refresh_from_db()
     explicit.refresh_from_db()

@@ -120,6 +120,9 @@ def test_it_runs_the_whole_console_in_one_process(console):
     output = log_path.read_text()
     assert "MQTT broker (embedded): mqtt://127.0.0.1:" in output
     assert "Admin account created: admin" in output
+    # Every run says how to sign in (tests/test_run_ports_and_sign_in.py has the cases).
+    assert (f"Sign in at {base}/accounts/login/ as admin with the password in "
+            "REACH_ADMIN_PASSWORD.") in output
 
     proc.send_signal(signal.SIGINT)
     assert proc.wait(20) == 0

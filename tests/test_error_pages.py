@@ -9,6 +9,7 @@ from django.test import Client
 from django.utils.html import escape
 
 from reachconsole import error_pages
+from reachconsole.core.roles import action_refused_words
 from tests.conftest import logged_in
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
@@ -33,7 +34,7 @@ def assert_console_page(response, status: int, words: str) -> str:
     assert 'class="brand"' in html  # the console's layout (templates/base.html)
     assert f'data-error-status="{status}"' in html
     assert escape(words) in html
-    assert 'href="/"' in html  # back to the overview
+    assert 'href="/overview/"' in html  # back to the overview
     return html
 
 
@@ -59,7 +60,8 @@ def test_a_forbidden_action_is_the_consoles_403(viewer):
 
     register("fin.tax")
     r = logged_in(viewer).post("/agents/fin.tax/drain")
-    assert_console_page(r, 403, error_pages.WORDS[403][1])
+    # Signed in and refused a page action: the words name the missing role.
+    assert_console_page(r, 403, action_refused_words("victor"))
 
 
 def test_a_failing_page_is_the_consoles_500(viewer, monkeypatch):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from datetime import datetime
+
 import pytest
 from django.contrib.auth.models import User
 from django.test import Client
@@ -91,16 +94,31 @@ def test_a_resend_needs_csrf(operator):
 def test_bulk_resend_previews_the_count_and_checks_it(operator):
     rows = [undeliverable() for _ in range(3)]
     register("fin.tax", "node-b")
-    html = operator.get("/messages/", {"status": "UNDELIVERABLE", "agent": "fin.tax"})
-    assert 'data-resendable="3"' in html.content.decode()
-    filters = {"status": "UNDELIVERABLE", "agent": "fin.tax", "since": "60", "direction": "",
-               "q": ""}
+    page = operator.get("/messages/", {"status": "UNDELIVERABLE", "agent": "fin.tax"})
+    assert 'id="bulk-count"' in page.content.decode()
+    preview = operator.get("/messages/resendable", {"status": "UNDELIVERABLE",
+                                                     "agent": "fin.tax", "since": "60"})
+    html = preview.content.decode()
+    assert 'data-resendable="3"' in html
+    # The form pins what the operator saw: the newest row id then, and the window as moments.
+    up_to = re.search(r'name="up_to" value="(\d+)"', html)[1]
+    since = re.search(r'name="since" value="([^"]+)"', html)[1]
+    assert since != "60" and datetime.fromisoformat(since)
+    filters = {"status": "UNDELIVERABLE", "agent": "fin.tax", "since": since, "up_to": up_to}
     stale = operator.post("/messages/bulk-resend", {**filters, "expected": "2"}, follow=True)
     assert "The selection changed" in stale.content.decode()
     assert Message.objects.count() == 3
+    # Stored after the preview (as a send would be), so not part of what was confirmed.
+    later = Message.objects.create(message_id="late-1", message_type="TASK_REQUEST",
+                                   direction="SEND", status=Status.UNDELIVERABLE,
+                                   from_agent_id="console", to_agent_id="fin.tax")
     done = operator.post("/messages/bulk-resend", {**filters, "expected": "3"}, follow=True)
     assert "Resent 3 messages as 3 new transmissions" in done.content.decode()
     assert Message.objects.filter(resend_of__in=rows, status="SENT").count() == 3
+    assert not Message.objects.filter(resend_of=later).exists()
+    no_pin = operator.post("/messages/bulk-resend", {**filters, "up_to": "", "expected": "1"},
+                           follow=True)
+    assert "ask for the count again" in no_pin.content.decode()
     assert AuditEntry.objects.get(action="resend-bulk").result == "ok"
 
 
@@ -118,3 +136,16 @@ def test_the_agent_load_shows_inflight_held_and_coverage(viewer):
     services.agent_drain(agent_id="web.b")
     again = viewer.get("/messages/agents/web.a/load/").content.decode()
     assert "draining: it takes no new work" in again
+
+
+def test_the_timeline_shows_untrusted_text_as_text(viewer):
+    row = Message.objects.create(message_id="m-xss", task_id=XSS, message_type="TASK_REQUEST",
+                                 direction="RECV", status="RECV", from_agent_id=XSS,
+                                 error=XSS, payload={"note": XSS})
+    for headers in ({}, {"HX-Request": "true", "HX-Target": "messages-live"}):
+        html = viewer.get("/messages/", {"q": XSS}, headers=headers).content.decode()
+        assert f'data-message="{row.message_id}"' in html
+        assert "<img src=x" not in html
+        assert "&lt;img src=x" in html
+    export = viewer.get("/messages/export.jsonl", {"task": XSS})
+    assert XSS in b"".join(export.streaming_content).decode("utf-8").replace("\\", "")

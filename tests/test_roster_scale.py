@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import User
+from django.db import IntegrityError, connection, transaction
 from django.test import Client
 from django.utils import timezone
 
@@ -107,6 +108,60 @@ def test_the_lease_sweep_clears_every_lapsed_lease_in_batches_with_its_history(s
     assert removed.count() == draining
     assert set(removed.values_list("node_id", flat=True)) == {"node-a"}
     assert services.leases_expire(now=moment) == services.ExpiryCounts(0, 0)
+
+
+# Every index of roster_agent, by the columns it covers. The lease sweep rewrites each lapsed
+# row and pays for every index here (docs/performance.md), so one more is a decision: add it
+# here with the query that reads it (roster/models.py says which query reads which index).
+AGENT_INDEXES = {
+    ("id",), ("agent_id",), ("namespace_id",), ("node_id",), ("segment",),
+    ("lease_expires_at",), ("status", "last_heartbeat_at"),
+}
+
+
+def test_the_roster_keeps_only_the_indexes_its_queries_read():
+    with connection.cursor() as cursor:
+        found = connection.introspection.get_constraints(cursor, Agent._meta.db_table)
+    indexed = {tuple(c["columns"]) for c in found.values()
+               if c["index"] or c["unique"] or c["primary_key"]}
+    assert indexed == AGENT_INDEXES
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = %s",
+                           [Agent._meta.db_table])
+            defs = dict(cursor.fetchall())
+        # No LIKE-prefix index (unique=True or db_index=True on a CharField adds one).
+        assert not [name for name, sql in defs.items() if "pattern_ops" in sql]
+        # The lapse index holds only the rows that can still lapse: a row the sweep takes
+        # OFFLINE writes no entry into it.
+        assert "WHERE" in defs["agent_lease_live"] and "OFFLINE" not in defs["agent_lease_live"]
+
+
+def test_an_agent_id_stays_unique_without_its_unique_field_flag(now):
+    register("fin.tax", now=now)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Agent.objects.create(namespace=Namespace.objects.get(), name="tax", agent_id="fin.tax",
+                             node=ClusterNode.objects.get(), lease_expires_at=now)
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL plans only")
+def test_the_sweep_claims_through_the_lapse_index_and_changes_rows_by_key(now):
+    """The claim's WHERE must imply the partial index's predicate (PostgreSQL uses the index
+    only then), and the update and delete must find their rows from the claimed keys, not
+    join the claim against the whole roster (a hash join reads every agent, each batch). On
+    a table this small the planner would rather scan, so scans are priced out to see which
+    paths the statement allows at all."""
+    bulk_roster(50)
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        cursor.execute("EXPLAIN (COSTS OFF) " + services._EXPIRE_SQL,
+                       {"now": later(now, 10 * 60 * 1000), "batch": 20})
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+        transaction.set_rollback(True)
+    assert "Index Scan using agent_lease_live on roster_agent" in plan
+    changes = plan.split("CTE went_offline", 1)[1].split("CTE history", 1)[0]
+    assert changes.count("id = ANY") == 2  # the update, the delete: by the claimed keys
+    assert "Join" not in changes and "Nested Loop" not in changes
 
 
 def test_the_api_pages_the_roster_with_a_cursor(api):

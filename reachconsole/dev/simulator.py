@@ -18,11 +18,11 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
-from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
 
 from messages import protocol
+from messages.mqtt_client import broker_target, mqtt_client
 
 log = logging.getLogger(__name__)
 MT = protocol.MessageType
@@ -100,8 +100,8 @@ class SimulatedCluster:
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.source = source
-        self.mqtt = urlparse(mqtt_url)
-        self.mqtt_v5 = mqtt_protocol == "5"
+        # TLS and credentials as the console's own (MQTT_CA_FILE, MQTT_USERNAME, …).
+        self.mqtt = broker_target(mqtt_url, protocol=mqtt_protocol)
         self.prefix = prefix
         self.knobs = knobs or Knobs()
         self.heartbeat_ms = heartbeat_ms
@@ -147,11 +147,8 @@ class SimulatedCluster:
 
     # --- MQTT ----------------------------------------------------------------------------------
     def _connect(self, node: SimulatedNode) -> None:
-        client = mqtt.Client(
-            mqtt.CallbackAPIVersion.VERSION2, client_id=f"sim-{node.node_id}",
-            protocol=mqtt.MQTTv5 if self.mqtt_v5 else mqtt.MQTTv311,
-            clean_session=None if self.mqtt_v5 else False,
-        )
+        client = mqtt_client(target=self.mqtt, client_id=f"sim-{node.node_id}",
+                             clean_session=False)
         inbox = protocol.inbox_topic(self.prefix, node.node_id)
 
         def on_connect(c, userdata, flags, reason_code, properties):
@@ -169,7 +166,7 @@ class SimulatedCluster:
         client.on_subscribe = on_subscribe
         client.suppress_exceptions = True
         client.reconnect_delay_set(1, 5)
-        client.connect_async(self.mqtt.hostname, self.mqtt.port or 1883, keepalive=30)
+        client.connect_async(self.mqtt.host, self.mqtt.port, keepalive=30)
         client.loop_start()
         node.client = client
 

@@ -1,14 +1,19 @@
 """`make run`: the whole console in one process on embedded defaults.
 
-Migrates, makes sure a local admin account exists, starts the embedded MQTT broker (unless
-MQTT_URL names one), a Celery worker and beat as threads, a small simulated cluster, and
-serves HTTP and WebSockets with Daphne. Production runs the same code as separate processes.
+Checks its ports first (nothing is created by a run that cannot serve), migrates, makes sure
+a local admin account exists and says how to sign in to it, starts the embedded MQTT broker
+(unless MQTT_URL names one), a Celery worker and beat as threads, a small simulated cluster,
+and serves HTTP and WebSockets with Daphne. Production runs the same code as separate
+processes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+import socket
+from pathlib import Path
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -18,6 +23,98 @@ from django.core.management.base import BaseCommand, CommandError
 from reachconsole.core.tokens import tokens_parse
 
 log = logging.getLogger(__name__)
+
+# The generated admin password, kept in the run directory (mode 0600) so every run can say
+# how to sign in, not only the run that created the account.
+ADMIN_PASSWORD_FILE = "admin-password"  # noqa: S105 - a file name, not a password
+HTTP_PORT_TAKEN = (
+    "Cannot serve the console on {host}:{port}: that port is already in use ({why}). "
+    "Choose another one: make run PORT={free} (or manage.py runconsole --port {free})."
+)
+MQTT_PORT_TAKEN = (
+    "Cannot start the embedded MQTT broker on 127.0.0.1:{port}: that port is already in use "
+    "({why}), by a local Mosquitto perhaps. Use that broker instead with "
+    "MQTT_URL=mqtt://127.0.0.1:{port}, or give the embedded one another port: "
+    "make run MQTT_PORT={free} (REACH_EMBEDDED_MQTT_PORT={free})."
+)
+RESET_HINT = "Forgot it? Set a new one: .venv/bin/python manage.py changepassword {user}{env}"
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why `port` cannot be listened on at `host`, or None when it can (checked by binding it
+    for a moment, as the server will)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        return f"cannot resolve {host}: {exc.strerror}"
+    with socket.socket(family, kind, proto) as probe:
+        # Servers set SO_REUSEADDR too: a closed connection lingering in TIME_WAIT does not
+        # make the port taken, a listener does.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
+def port_free_after(host: str, port: int, *, tries: int = 20) -> int:
+    """The first port after `port` that is free, to suggest (or port + 1 if none is)."""
+    for candidate in range(port + 1, min(port + 1 + tries, 65536)):
+        if port_in_use(host, candidate) is None:
+            return candidate
+    return port + 1
+
+
+def ports_check(*, host: str, port: int, mqtt_port: int | None) -> None:
+    """Refuse to start, with words, when the console's port or the embedded broker's is taken:
+    before the database, the admin account or anything else is created."""
+    problems = []
+    why = port_in_use(host, port)
+    if why:
+        problems.append(HTTP_PORT_TAKEN.format(host=host, port=port, why=why,
+                                               free=port_free_after(host, port)))
+    if mqtt_port is not None:
+        why = port_in_use("127.0.0.1", mqtt_port)
+        if why:
+            problems.append(MQTT_PORT_TAKEN.format(port=mqtt_port, why=why,
+                                                   free=port_free_after("127.0.0.1", mqtt_port)))
+    if problems:
+        raise CommandError("\n".join(problems))
+
+
+def password_keep(path: Path, password: str) -> None:
+    """Write the password readable by its owner only (0600), whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, password.encode())
+    finally:
+        os.close(fd)
+
+
+def sign_in_words(user, *, kept: Path, login_url: str) -> list[str]:
+    """How to sign in to the admin account, said on every run."""
+    name = user.get_username()
+    env_password = settings.REACH_ADMIN_PASSWORD
+    lines = []
+    kept_password = kept.read_text(encoding="utf-8").strip() if kept.exists() else ""
+    if env_password and user.check_password(env_password):
+        lines.append(f"Sign in at {login_url} as {name} with the password in "
+                     "REACH_ADMIN_PASSWORD.")
+    elif kept_password and user.check_password(kept_password):
+        lines.append(f"Sign in at {login_url} as {name} / {kept_password}  (the password is "
+                     f"kept in {kept}, readable by you only)")
+    else:
+        changed = f" ({kept} holds an older one)" if kept_password else ""
+        lines.append(f"Sign in at {login_url} as {name} with the password you set for it"
+                     f"{changed}.")
+    # changepassword needs the same database as this run.
+    same = [var for var in ("REACH_RUN_DIR", "DATABASE_URL") if os.environ.get(var)]
+    env = f"  (with this run's {' and '.join(same)} set)" if same else ""
+    lines.append(RESET_HINT.format(user=name, env=env))
+    return lines
 
 
 class Command(BaseCommand):
@@ -37,6 +134,8 @@ class Command(BaseCommand):
                             help="simulated nodes' heartbeat (default: what the lease says)")
 
     def handle(self, *args, **options) -> None:
+        ports_check(host=options["host"], port=options["port"],
+                    mqtt_port=None if settings.MQTT_URL else settings.REACH_EMBEDDED_MQTT_PORT)
         # Events go out on Daphne's loop: the in-memory channel layer only works from the
         # loop its consumers run on.
         from daphne.server import twisted_loop
@@ -45,7 +144,8 @@ class Command(BaseCommand):
 
         publisher.bind_loop(twisted_loop)
         call_command("migrate", interactive=False, verbosity=0)
-        self._ensure_admin()
+        base_url = f"http://{options['host']}:{options['port']}"
+        self._ensure_admin(login_url=f"{base_url}/accounts/login/")
         token = self._ensure_service_token()
         broker = self._start_broker()
         worker = None
@@ -56,7 +156,6 @@ class Command(BaseCommand):
             worker = EmbeddedWorker(app)
             worker.start()
             self.stdout.write("Celery worker and beat: running in this process")
-        base_url = f"http://{options['host']}:{options['port']}"
         simulator = None
         if options["simulate_nodes"] > 0:
             from reachconsole.dev.simulator import Knobs, SimulatedCluster
@@ -80,19 +179,19 @@ class Command(BaseCommand):
             if broker:
                 broker.stop()
 
-    def _ensure_admin(self) -> None:
+    def _ensure_admin(self, *, login_url: str) -> None:
         User = get_user_model()
         username = settings.REACH_ADMIN_USER
-        if User.objects.filter(username=username).exists():
-            self.stdout.write(f"Admin account: {username} (password as set before)")
-            return
-        password = settings.REACH_ADMIN_PASSWORD or secrets.token_urlsafe(12)
-        User.objects.create_superuser(username=username, email="", password=password)
-        shown = "from REACH_ADMIN_PASSWORD" if settings.REACH_ADMIN_PASSWORD else password
-        self.stdout.write(self.style.WARNING(
-            f"Admin account created: {username} / {shown}  (shown once; "
-            "change it in the admin or set REACH_ADMIN_PASSWORD before the first run)"
-        ))
+        kept = Path(settings.RUN_DIR) / ADMIN_PASSWORD_FILE
+        user = User.objects.filter(username=username).first()
+        if user is None:
+            password = settings.REACH_ADMIN_PASSWORD or secrets.token_urlsafe(12)
+            user = User.objects.create_superuser(username=username, email="", password=password)
+            if not settings.REACH_ADMIN_PASSWORD:
+                password_keep(kept, password)
+            self.stdout.write(self.style.WARNING(f"Admin account created: {username}"))
+        for line in sign_in_words(user, kept=kept, login_url=login_url):
+            self.stdout.write(self.style.SUCCESS(line))
 
     def _ensure_service_token(self) -> str:
         if settings.REACH_SERVICE_TOKENS:

@@ -8,6 +8,7 @@ import threading
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from messages.mqtt_client import url_redacted
 from reachconsole.dev.simulator import Knobs, SimulatedCluster
 
 
@@ -52,7 +53,7 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         cluster.start()
         self.stdout.write(f"{o['nodes']} nodes, {o['agents']} agents → {o['url']} and "
-                          f"{mqtt_url}; Ctrl-C stops")
+                          f"{url_redacted(mqtt_url)}; Ctrl-C stops")
         while not stop.wait(10):
             self.stdout.write(f"sent {cluster.sent_requests} tasks, executed "
                               f"{sum(cluster.executions().values())}")

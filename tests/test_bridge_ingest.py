@@ -1,0 +1,99 @@
+"""How a bridge splits the inbound topics with the console's other bridges (messages/bridge.py
+"what each bridge subscribes to", messages/ingest_lock.py). The processes themselves, two of
+everything on real services, are in tests/test_topology.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from django.db import connection
+
+from messages.bridge import BROKER_DROPPED_TOPIC, Bridge
+from messages.ingest_lock import IngestLock
+
+
+def bridge(**kwargs) -> Bridge:
+    return Bridge(url="mqtt://127.0.0.1:1", node_id="console", prefix="p", instance="t",
+                  share_group="reach-g", **kwargs)
+
+
+def test_it_shares_the_inbound_topics_on_an_mqtt5_broker():
+    b = bridge()
+    b._ingest_mode_decide()
+    assert b.ingest_mode == "shared"
+    assert b._subscriptions() == [
+        (BROKER_DROPPED_TOPIC, 0),  # each bridge's own: it computes drops from its last total
+        ("$share/reach-g/p/heartbeat/+", 0),
+        ("$share/reach-g/p/node/+/inbox", 1),
+        ("p/node/console/inbox", 1),  # plain too: survives a broker restart
+    ]
+    # What an earlier single-mode run of this session may have left.
+    assert b._stale_filters() == ["p/heartbeat/+", "p/node/+/inbox"]
+
+
+def test_without_monitor_only_the_heartbeats_are_shared():
+    b = bridge(monitor=False)
+    b._ingest_mode_decide()
+    assert b._subscriptions() == [(BROKER_DROPPED_TOPIC, 0),
+                                  ("$share/reach-g/p/heartbeat/+", 0),
+                                  ("p/node/console/inbox", 1)]
+
+
+@pytest.mark.parametrize(("kwargs", "caps"), [
+    ({"protocol_version": "3.1.1"}, {}),
+    ({}, {"shared_subscriptions": False}),  # CONNACK SharedSubscriptionAvailable = 0
+    ({"ingest": "single"}, {}),
+])
+def test_a_broker_without_shares_gets_one_bridge_that_waits_for_the_lock(kwargs, caps):
+    b = bridge(**kwargs)
+    b.caps.update(caps)
+    b._ingest_mode_decide()
+    assert b.ingest_mode == "single"
+    assert not b._ingesting  # no lock yet: standby
+    assert b._subscriptions() == [(BROKER_DROPPED_TOPIC, 0)]
+    # Before this connection has asked for the lock, nothing inbound is dropped: the session
+    # may hold what the broker kept for it, and it may be the one to take the lock.
+    assert "p/node/+/inbox" not in b._stale_filters()
+    b._lock_asked = True  # asked, and another bridge holds it: a standby drops the inbox
+    assert "p/node/+/inbox" in b._stale_filters()
+    b._ingesting = True  # holds the lock
+    assert b._subscriptions() == [(BROKER_DROPPED_TOPIC, 0), ("p/heartbeat/+", 0),
+                                  ("p/node/+/inbox", 1)]
+    assert "p/node/+/inbox" not in b._stale_filters()
+
+
+def test_a_refused_shared_subscription_turns_the_bridge_to_single_mode(caplog):
+    from paho.mqtt.reasoncodes import ReasonCode
+
+    caplog.set_level(logging.INFO, logger="messages.bridge")
+    b = bridge()
+    b._ingest_mode_decide()
+    refused = ReasonCode(packetType=9, identifier=0x9E)  # SUBACK: shared subs not supported
+    b._on_subscribe(None, None, 1, [refused], None)
+    assert b.ingest_mode == "single"
+    assert "one active bridge (the broker refused a shared subscription)" in caplog.text
+
+
+def test_an_unknown_ingest_setting_is_refused_with_words():
+    with pytest.raises(ValueError, match="ingest 'both': use one of auto, shared, single"):
+        bridge(ingest="both")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_one_bridge_at_a_time_holds_the_ingest_lock():
+    first, second = IngestLock(name="test-lock"), IngestLock(name="test-lock")
+    try:
+        if connection.vendor != "postgresql":
+            # The embedded mode is one process: the lock is always held.
+            assert first.hold() and second.hold()
+            return
+        assert first.hold()
+        assert not second.hold()
+        assert first.hold()  # still held: checked with a round trip
+        first.release()
+        assert second.hold()
+        assert not first.hold()
+    finally:
+        first.release()
+        second.release()
