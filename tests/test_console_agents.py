@@ -107,13 +107,20 @@ def test_on_the_bus_the_console_acks_a_request_before_it_responds(bridge, broker
             node.publish(protocol.inbox_topic(prefix, "console"), protocol.encode(env),
                          qos=1).wait_for_publish(5)
         order: dict[str, list[str]] = {env.message_id: [] for env in requests}
-        for _ in range(2 * len(requests)):
+        # Until every request has its response. A bridge in shared mode hears its own inbox
+        # twice (shared and plain, messages/bridge.py), so a copy that lands in a later batch
+        # is answered as the redelivery it is: ACK `duplicate: true`, never run again.
+        while sum(kinds.count("TASK_RESPONSE") for kinds in order.values()) < len(requests):
             answer = heard.get(timeout=20)
             if answer.message_type == MT.TASK_RESPONSE:
                 order[answer.in_reply_to].append("TASK_RESPONSE")
+            elif (answer.payload or {}).get("duplicate") is True:
+                order[answer.ack_for].append("duplicate ACK")
             else:
                 order[answer.ack_for].append(str(answer.message_type))
     finally:
         node.loop_stop()
         node.disconnect()
-    assert all(kinds == ["ACK", "TASK_RESPONSE"] for kinds in order.values()), order
+    # Each request: one ACK first, then one response; a duplicate ACK may come anywhere.
+    kept = {mid: [k for k in kinds if k != "duplicate ACK"] for mid, kinds in order.items()}
+    assert all(kinds == ["ACK", "TASK_RESPONSE"] for kinds in kept.values()), order
