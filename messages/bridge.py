@@ -429,6 +429,9 @@ class Bridge:
             return
         self._ingesting = held
         if held:
+            # Say it hears the bus in this very turn (the report follows in step()), not up
+            # to a second later: readiness and /metrics should not lag the ingest.
+            self._last_hearing = 0.0
             log.warning("bridge %s took the ingest lock: it ingests now", self.client_id)
         else:
             log.warning("bridge %s lost the ingest lock: standby (publishes the outbox only)",
