@@ -45,7 +45,7 @@ def _check_redis() -> tuple[bool, str]:
         return False, f"{type(exc).__name__}: {exc}"
 
 
-def _check_broker() -> tuple[bool, str]:
+def broker_check() -> tuple[bool, str]:
     """A bridge (in any worker) is connected to the broker and its writes commit: the
     console hears the bus and can publish. A broker that only accepts TCP is not enough."""
     from roster.hearing import bridges_hearing
@@ -67,7 +67,7 @@ def _check_broker() -> tuple[bool, str]:
     return True, f"{len(live)} bridge(s) hear the bus: {names}"
 
 
-def _check_delivery() -> tuple[dict, float | None]:
+def delivery_check() -> tuple[dict, float | None]:
     """Whether the receivers answered what the broker took, second by second (shared by
     every bridge through the cache). A second is judged once REACH_ACK_TIMEOUT_MS has passed
     since it ended (the console's own deadline for an answer, so answers still in flight on a
@@ -111,10 +111,10 @@ def readyz(request: HttpRequest) -> JsonResponse:
     started = time.monotonic()
     checks = {}
     for name, check in (("database", _check_database), ("redis", _check_redis),
-                        ("broker", _check_broker)):
+                        ("broker", broker_check)):
         ok, detail = check()
         checks[name] = {"ok": ok, "detail": detail}
-    checks["delivery"], lowest = _check_delivery()
+    checks["delivery"], lowest = delivery_check()
     ready = all(item["ok"] for item in checks.values())
     body = {
         "status": "ready" if ready else "not ready",

@@ -132,14 +132,14 @@ def message_tiles(stats: MessageStats, window: Window, *, held_total: int,
 def broker_state(*, now: datetime) -> dict:
     """What readiness and the bridge know of the broker, each part on its own: one source
     that cannot be read (Redis down) leaves the others shown."""
-    ok, detail = health._check_broker()
+    ok, detail = health.broker_check()
     state: dict = {"ok": ok, "detail": detail, "bridges": [], "drops": None,
                    "reconnects": None, "caps": [], "limits": []}
     try:
         state["bridges"] = bridges_hearing(now=now)
     except Exception as exc:  # the broker check above already says what failed
         log.warning("overview: could not list the bridges (%s)", exc)
-    state["delivery"], _ = health._check_delivery()
+    state["delivery"], _ = health.delivery_check()
     try:
         # What each bridge found the broker cannot do (messages/broker_caps.py).
         state["caps"] = broker_caps_read(now=now)
