@@ -249,3 +249,21 @@ def unfilled_required(conn: Any, table: str, filled: tuple[str, ...]) -> dict[st
     if unknown:
         raise RuntimeError(f"{table} has required columns the bench cannot fill: {unknown}")
     return {name: _ZERO_BY_TYPE[kind] for name, kind in missing.items()}
+
+
+def signed_in_client(username: str, *codenames: str):
+    """The bench database migrated, and a Django test client signed in as `username`
+    (created on first use) holding these permissions: how the page benches read pages."""
+    from django.conf import settings
+    from django.contrib.auth.models import Permission, User
+    from django.core.management import call_command
+    from django.test import Client
+
+    call_command("migrate", verbosity=0)
+    settings.ALLOWED_HOSTS = ["*"]
+    user = User.objects.filter(username=username).first() or User.objects.create_user(
+        username, password=f"{username}-pw")
+    user.user_permissions.add(*Permission.objects.filter(codename__in=codenames))
+    client = Client()
+    client.force_login(user)
+    return client

@@ -152,17 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     common.check_postgres()  # creates the database when it is missing
     common.django_setup(channel_prefix=common.run_tag("overview"))
-    from django.conf import settings
-    from django.contrib.auth.models import User
-    from django.core.management import call_command
-    from django.test import Client
-
-    call_command("migrate", verbosity=0)
-    settings.ALLOWED_HOSTS = ["*"]
-    user = User.objects.filter(username="bench-viewer").first() or User.objects.create_user(
-        "bench-viewer", password="bench-viewer-pw")
-    client = Client()
-    client.force_login(user)
+    client = common.signed_in_client("bench-viewer")
     shapes = {
         f"{args.small:,} rows over 7 days": (args.small, 0),
         f"{args.large:,} rows over 7 days": (args.large, 0),

@@ -175,18 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     common.check_postgres()  # creates the database when it is missing
     common.django_setup(channel_prefix=common.run_tag("timeline"))
-    from django.conf import settings
-    from django.contrib.auth.models import Permission, User
-    from django.core.management import call_command
-    from django.test import Client
-
-    call_command("migrate", verbosity=0)
-    settings.ALLOWED_HOSTS = ["*"]
-    user = User.objects.filter(username="bench-operator").first() or User.objects.create_user(
-        "bench-operator", password="bench-operator-pw")
-    user.user_permissions.add(Permission.objects.get(codename="resend_message"))
-    client = Client()
-    client.force_login(user)
+    client = common.signed_in_client("bench-operator", "resend_message")
     results, explained = {}, {}
     for size in (args.small, args.large):
         print(f"seeding {size:,} rows", flush=True)
