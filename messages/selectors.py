@@ -7,7 +7,7 @@ import itertools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from functools import reduce
 from operator import and_, or_
 
@@ -24,6 +24,7 @@ from messages.models import (
 )
 from messages.protocol import MessageType
 from reachconsole.core.errors import ConsoleError
+from reachconsole.core.moments import utc_moment
 
 # Presets of the timeline's time window, in minutes back from now.
 SINCE_PRESETS = {"15": "15 min", "60": "1 h", "360": "6 h", "1440": "24 h", "10080": "7 days"}
@@ -58,12 +59,8 @@ def _when(name: str, value: str, now: datetime) -> datetime | None:
     try:
         if relative:
             return now - timedelta(minutes=int(relative[1]) * _UNITS[relative[2]])
-        moment = datetime.fromisoformat(value)
-        moment = moment.replace(tzinfo=UTC) if timezone.is_naive(moment) else moment
-        # At the calendar's edge (year 1, year 9999) an offset or a span back from now leaves
-        # it: say so here rather than fail later in the database conversion.
-        return moment.astimezone(UTC)
-    except (ValueError, OverflowError):
+        return utc_moment(value)
+    except (ValueError, OverflowError):  # a span back from now can leave the calendar too
         raise FilterError(f"{name}={value[:40]!r} is neither minutes back (60, 6h, 7d) nor a "
                           "date-time such as 2026-11-30T14:00 (UTC) within the calendar"
                           ) from None

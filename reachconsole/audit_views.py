@@ -17,12 +17,12 @@ from django.db.models import Q, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.urls import NoReverseMatch, reverse
-from django.utils.dateparse import parse_datetime
 from django.utils.http import urlencode
 from django.views.decorators.http import require_GET
 from django.views.decorators.vary import vary_on_headers
 
 from reachconsole.core.audit import AuditEntry
+from reachconsole.core.moments import utc_moment
 from reachconsole.error_pages import WORDS, error_response
 
 PAGE_SIZE = 100
@@ -76,18 +76,8 @@ def _time(get, name: str) -> datetime | None:
     if not value:
         return None
     try:
-        moment = parse_datetime(value)
+        return utc_moment(value)
     except ValueError:
-        moment = None
-    if moment is None:
-        raise BadAuditQuery(BAD_TIME.format(name=name, value=value[:40]))
-    # The page speaks UTC, as every page of the console does.
-    moment = moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-    try:
-        # An offset can push a moment at the calendar's edge (year 1, year 9999) out of it,
-        # which the database conversion would only find later, as a 500.
-        return moment.astimezone(UTC)
-    except OverflowError:
         raise BadAuditQuery(BAD_TIME.format(name=name, value=value[:40])) from None
 
 
