@@ -69,7 +69,12 @@ def test_a_task_round_trips_to_a_simulated_node_and_back(bridge, cluster):
     done = eventually(
         lambda: Message.objects.filter(pk=row.pk, status=Status.COMPLETED).first(),
         what="the TASK_RESPONSE")
-    assert done.published_at is not None and done.acked_at is not None
+    assert done.acked_at is not None
+    # Some brokers (RabbitMQ) send the PUBACK after routing, so the node's answer can come
+    # first; the row then takes the time the broker took it when the PUBACK arrives
+    # (messages.state.late_pubacks_record).
+    eventually(lambda: Message.objects.filter(pk=row.pk, published_at__isnull=False).exists(),
+               what="the broker's PUBACK recorded")
     steps = list(done.transitions.values_list("to_status", flat=True))
     assert steps[0] == "SENT" and steps[-2:] == ["ACKED", "COMPLETED"]
     response = Message.objects.get(in_reply_to=row.message_id, message_type="TASK_RESPONSE")
