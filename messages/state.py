@@ -6,6 +6,8 @@ Transition, and announced with events after commit. Callers own the transaction.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import random
 import time
@@ -40,32 +42,11 @@ def messages_insert_new(rows: list[Message]) -> list[Message]:
     unique: dict[str, Message] = {}
     for row in rows:
         unique.setdefault(row.message_id, row)
-    fields = [f for f in Message._meta.concrete_fields if not f.primary_key]
-    qn = connection.ops.quote_name
-    columns = ", ".join(qn(f.column) for f in fields)
-    one = "(" + ", ".join(["%s"] * len(fields)) + ")"
-    # Only quoted column names and placeholders are interpolated; values are parameters.
-    head = f"INSERT INTO {qn(Message._meta.db_table)} ({columns}) VALUES "  # noqa: S608
-    tail = (f" ON CONFLICT ({qn('message_id')}) DO NOTHING "
-            f"RETURNING {qn('id')}, {qn('message_id')}")
-    batch = _params(list(unique.values()), fields)
-    inserted: dict[str, int] = {}
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            # One short statement executed per row in a pipeline: psycopg parses it once,
-            # where a 500-row VALUES list is parsed again for every batch.
-            raw = cursor.cursor
-            raw.executemany(head + one + tail, batch, returning=True)
-            while True:
-                inserted.update({message_id: pk for pk, message_id in raw.fetchall()})
-                if not raw.nextset():
-                    break
-        else:
-            for start in range(0, len(batch), INSERT_CHUNK):
-                chunk = batch[start : start + INSERT_CHUNK]
-                cursor.execute(head + ", ".join([one] * len(chunk)) + tail,
-                               [value for values in chunk for value in values])
-                inserted.update({message_id: pk for pk, message_id in cursor.fetchall()})
+    fields = _insert_fields()
+    if connection.vendor == "postgresql":
+        inserted = _insert_by_json(list(unique.values()), fields)
+    else:
+        inserted = _insert_by_values(list(unique.values()), fields)
     fresh = []
     for message_id, pk in inserted.items():
         row = unique[message_id]
@@ -74,6 +55,80 @@ def messages_insert_new(rows: list[Message]) -> list[Message]:
             row._state.adding = False
         fresh.append(row)
     return fresh
+
+
+def _insert_fields() -> list:
+    return [f for f in Message._meta.concrete_fields if not f.primary_key]
+
+
+def _insert_by_json(rows: list, fields: list) -> dict[str, int]:
+    """PostgreSQL: the batch as one JSON document, turned into rows by the database:
+    `INSERT … SELECT … FROM json_to_recordset(%s) … ON CONFLICT DO NOTHING RETURNING`. One
+    parameter and one round trip a batch: binding ~30 parameters a row (even pipelined) cost
+    more Python than the whole rest of ingest, and a COPY through a staging table took four
+    round trips, which a small batch at a steady rate pays in latency."""
+    with connection.cursor() as cursor:
+        cursor.execute(_json_insert_sql(), [json.dumps(_json_rows(rows, fields),
+                                                       separators=(",", ":"))])
+        return {message_id: pk for pk, message_id in cursor.fetchall()}
+
+
+@functools.cache
+def _json_insert_sql() -> str:
+    """Built once: the columns' types took a twelfth of the bridge's time at 1,000 msg/s."""
+    qn = connection.ops.quote_name
+    fields = _insert_fields()
+    columns = ", ".join(qn(f.column) for f in fields)
+    typed = ", ".join(f"{qn(f.column)} {f.cast_db_type(connection)}" for f in fields)
+    # Only quoted column names and their types are interpolated; the rows are one parameter.
+    return (f"INSERT INTO {qn(Message._meta.db_table)} ({columns}) "  # noqa: S608
+            f"SELECT {columns} FROM json_to_recordset(%s::json) AS r({typed}) "
+            f"ON CONFLICT ({qn('message_id')}) DO NOTHING "
+            f"RETURNING {qn('id')}, {qn('message_id')}")
+
+
+def _json_rows(rows: list, fields: list) -> list[dict]:
+    """Each row as {column: value}. A missing key is NULL, so None is left out; times go as
+    ISO 8601 with their offset, a time shared by the batch (its `now`) formatted once. JSON
+    columns nest as they are (these fields have no custom encoder)."""
+    times = {f.attname for f in fields if isinstance(f, models.DateTimeField)}
+    names = [(f.attname, f.column, f.attname in times) for f in fields]
+    formatted: dict[int, str] = {}
+    out = []
+    for row in rows:
+        doc = {}
+        for attname, column, is_time in names:
+            value = getattr(row, attname)
+            if value is None:
+                continue
+            if is_time:
+                text = formatted.get(id(value))
+                if text is None:
+                    text = formatted[id(value)] = value.isoformat()
+                value = text
+            doc[column] = value
+        out.append(doc)
+    return out
+
+
+def _insert_by_values(rows: list, fields: list) -> dict[str, int]:
+    """SQLite: multi-row VALUES, in chunks under its parameter limit."""
+    qn = connection.ops.quote_name
+    columns = ", ".join(qn(f.column) for f in fields)
+    one = "(" + ", ".join(["%s"] * len(fields)) + ")"
+    # Only quoted column names and placeholders are interpolated; values are parameters.
+    head = f"INSERT INTO {qn(Message._meta.db_table)} ({columns}) VALUES "  # noqa: S608
+    tail = (f" ON CONFLICT ({qn('message_id')}) DO NOTHING "
+            f"RETURNING {qn('id')}, {qn('message_id')}")
+    batch = _params(rows, fields)
+    inserted: dict[str, int] = {}
+    with connection.cursor() as cursor:
+        for start in range(0, len(batch), INSERT_CHUNK):
+            chunk = batch[start : start + INSERT_CHUNK]
+            cursor.execute(head + ", ".join([one] * len(chunk)) + tail,
+                           [value for values in chunk for value in values])
+            inserted.update({message_id: pk for pk, message_id in cursor.fetchall()})
+    return inserted
 
 
 def _params(rows: list[Message], fields: list) -> list[tuple]:

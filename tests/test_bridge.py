@@ -136,12 +136,8 @@ def _start_bridge(env: dict[str, str], log) -> subprocess.Popen:
 def test_a_killed_bridge_loses_nothing(mqtt_settings, broker, tmp_path):
     """kill -9 in the middle of a burst, publish more while it is down, start it again:
     every message is in the table exactly once."""
-    if os.environ.get("REACH_BROKER_KIND") == "nats":
-        # Found by the broker matrix and not yet understood: a plain paho client that
-        # reconnects to its session gets what NATS kept for it, but this bridge, restarted
-        # after SIGKILL, stores none of it. Said here, not hidden: skipped on NATS only.
-        pytest.skip("open defect on NATS (MQTT over JetStream): a bridge restarted after "
-                    "SIGKILL stores none of the messages its session kept")
+    # On NATS the messages the killed bridge had taken but not acknowledged come back only
+    # after its ack_wait (30 s in .ci/nats.conf): hence the minute allowed below.
     total, kill_at = 1000, 300
     env = {**os.environ, "DATABASE_URL": database_url(), "MQTT_URL": settings.MQTT_URL,
            "MQTT_PROTOCOL": settings.MQTT_PROTOCOL, "MQTT_TOPIC_PREFIX": settings.MQTT_TOPIC_PREFIX,
