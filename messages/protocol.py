@@ -97,6 +97,9 @@ def _nonempty_str(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+MAX_ATTEMPT = 2**31 - 1  # a2a_message.attempt is a 32-bit integer column
+
+
 def _positive_int(value: Any) -> int | None:
     # bool is an int subclass; `true` is never a count of milliseconds or attempts.
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -364,6 +367,11 @@ def _decode_fields(suspect: bool, doc: dict, message: dict, message_id: str,
         headers = {}
     elif not isinstance(headers, dict):
         return _bad_field(message_id, "headers", headers, "an object or null")
+    attempt = _positive_int(headers.get("attempt"))
+    if attempt is not None and attempt > MAX_ATTEMPT:
+        # Stored in an integer column: past it the row could not be written at all.
+        return _bad_field(message_id, "headers.attempt", attempt,
+                          f"a count of attempts up to {MAX_ATTEMPT}")
 
     # Node ids become MQTT topic levels (replies go to `P/node/{replyNodeId}/inbox`): one with
     # a wildcard or a '/' would answer to a wildcard or another topic.

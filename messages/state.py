@@ -61,16 +61,34 @@ def _insert_fields() -> list:
     return [f for f in Message._meta.concrete_fields if not f.primary_key]
 
 
+# Characters of JSON in one statement: a batch of large payloads is split (PostgreSQL takes
+# at most 1 GB in one value); a batch of ordinary messages is far below this.
+JSON_STATEMENT_MAX_CHARS = 32 * 1024 * 1024
+
+
 def _insert_by_json(rows: list, fields: list) -> dict[str, int]:
     """PostgreSQL: the batch as one JSON document, turned into rows by the database:
     `INSERT … SELECT … FROM json_to_recordset(%s) … ON CONFLICT DO NOTHING RETURNING`. One
     parameter and one round trip a batch: binding ~30 parameters a row (even pipelined) cost
     more Python than the whole rest of ingest, and a COPY through a staging table took four
     round trips, which a small batch at a steady rate pays in latency."""
+    inserted: dict[str, int] = {}
     with connection.cursor() as cursor:
-        cursor.execute(_json_insert_sql(), [json.dumps(_json_rows(rows, fields),
-                                                       separators=(",", ":"))])
-        return {message_id: pk for pk, message_id in cursor.fetchall()}
+        for document in _json_documents(_json_rows(rows, fields)):
+            cursor.execute(_json_insert_sql(), [document])
+            inserted.update({message_id: pk for pk, message_id in cursor.fetchall()})
+    return inserted
+
+
+def _json_documents(docs: list[dict]) -> list[str]:
+    """The rows as JSON text, in as few documents as fit JSON_STATEMENT_MAX_CHARS (halved
+    until they do; one row is never split). Non-ASCII stays as it is: escaped, text of
+    emoji would take three times the space."""
+    text = json.dumps(docs, separators=(",", ":"), ensure_ascii=False)
+    if len(text) <= JSON_STATEMENT_MAX_CHARS or len(docs) == 1:
+        return [text]
+    half = len(docs) // 2
+    return _json_documents(docs[:half]) + _json_documents(docs[half:])
 
 
 @functools.cache

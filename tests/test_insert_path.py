@@ -74,3 +74,21 @@ def test_only_new_message_ids_are_inserted_and_returned():
     # The first copy stays as it was stored.
     assert Message.objects.get(message_id=first.message_id).payload == {"q": 1}
     assert Message.objects.filter(message_id=new.message_id).count() == 1
+
+
+def test_a_batch_too_large_for_one_statement_is_split_and_all_stored(monkeypatch):
+    from messages import state
+
+    # About three rows' worth of JSON a statement: nine rows take several statements.
+    monkeypatch.setattr(state, "JSON_STATEMENT_MAX_CHARS", 3 * 1200)
+    now = datetime.now(UTC)
+    rows = [received(f"s{i}-{uuid.uuid4()}", now, payload={"text": "é😀" * 100, "i": i})
+            for i in range(9)]
+    documents = state._json_documents(state._json_rows(rows, state._insert_fields()))
+    assert len(documents) > 1
+    assert all(len(d) <= 3 * 1200 for d in documents)
+    fresh = messages_insert_new(list(rows))
+    assert len(fresh) == 9
+    for row in rows:
+        stored = Message.objects.get(message_id=row.message_id)
+        assert (stored.pk, stored.payload) == (row.pk, row.payload)

@@ -306,6 +306,14 @@ def test_it_rejects_a_field_of_the_wrong_type(field_name: str, value: Any) -> No
     assert field_name in result.detail and "m-1" in result.detail
 
 
+def test_it_rejects_an_attempt_count_beyond_what_can_be_stored() -> None:
+    msg = {"messageId": "m-1", "messageType": "EVENT", "headers": {"attempt": 2**31}}
+    result = rejected(decode(wire(msg)), Reject.BAD_FIELD)
+    assert "headers.attempt" in result.detail and "2147483647" in result.detail
+    msg["headers"]["attempt"] = 2**31 - 1
+    assert decode(wire(msg)).attempt == 2**31 - 1
+
+
 def test_it_accepts_null_optional_fields_and_ignores_unknown_ones() -> None:
     msg = {
         "messageId": "m-1",
@@ -564,7 +572,9 @@ valid_envelopes = st.builds(
     session_id=optional_storable,
     timestamp=st.none() | st.integers(min_value=-(2**63), max_value=2**63 - 1),
     headers=st.dictionaries(
-        storable_text.filter(lambda k: len(k) <= 12 and k not in ("replyNodeId", "originNodeId")),
+        # The validated headers are left out: node ids and the attempt count have limits.
+        storable_text.filter(lambda k: len(k) <= 12
+                             and k not in ("replyNodeId", "originNodeId", "attempt")),
         storable_json_values, max_size=6),
     payload=storable_json_values,
     version=st.sampled_from(["1", "1.0", "1.7", "1.10.3"]),
