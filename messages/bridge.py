@@ -175,6 +175,8 @@ class Bridge:
         # the bridge that takes the lock a moment later.
         self._lock_asked = False
         self._subscribe_lock = threading.Lock()  # paho's thread and the owner both subscribe
+        # (mid, filters) of the SUBSCRIBE whose SUBACK sets `listening`
+        self._awaited_suback: tuple[int, list[str]] | None = None
         self._shares_refused = False  # a SUBACK said 0x9E: shared subscriptions not supported
         self.counts = LocalCounter()
         self.connected = threading.Event()
@@ -360,13 +362,20 @@ class Bridge:
             stale += [self._shared(t) for t in plain]
         return stale
 
-    def _sync_subscriptions(self, client: mqtt.Client | None) -> None:
+    def _sync_subscriptions(self, client: mqtt.Client | None, *, then_listen: bool = False
+                            ) -> None:
         """Subscribe to what this bridge must hear, then drop the rest: in that order, an
-        overlap delivers a message twice (the insert is idempotent), a gap would lose it."""
+        overlap delivers a message twice (the insert is idempotent), a gap would lose it.
+        `then_listen`: set `listening` once the broker has granted these subscriptions
+        (their SUBACK), not when they are asked for: a message published in between
+        matches nothing on the broker, and is gone."""
         if client is None:
             return
         with self._subscribe_lock:
-            client.subscribe(self._subscriptions())
+            subscriptions = self._subscriptions()
+            _, mid = client.subscribe(subscriptions)
+            if then_listen:
+                self._awaited_suback = (mid, [topic for topic, _ in subscriptions])
             stale = self._stale_filters()
             if stale:
                 client.unsubscribe(stale)
@@ -424,8 +433,7 @@ class Bridge:
         if held == self._ingesting and not first:
             return
         if held == self._ingesting:  # the first answer since connecting, and no change
-            self._sync_subscriptions(self._client)
-            self.listening.set()
+            self._sync_subscriptions(self._client, then_listen=True)
             return
         self._ingesting = held
         if held:
@@ -436,8 +444,7 @@ class Bridge:
         else:
             log.warning("bridge %s lost the ingest lock: standby (publishes the outbox only)",
                         self.client_id)
-        self._sync_subscriptions(self._client)
-        self.listening.set()
+        self._sync_subscriptions(self._client, then_listen=True)
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
@@ -457,10 +464,10 @@ class Bridge:
         self._lock_asked = False
         self._next_lock_try = 0.0  # single mode: ask for the lock on the next step
         self._ingest_mode_decide()
-        self._sync_subscriptions(client)
+        # Single mode listens once the ingest lock has been asked (_ingest_lock_turn).
+        self._sync_subscriptions(client, then_listen=(self.ingest_mode == "shared"
+                                                      or self._ingest_lock is None))
         self.connected.set()
-        if self.ingest_mode == "shared" or self._ingest_lock is None:
-            self.listening.set()
         self._wake_outbox()  # what came due while we were away
         log.info("MQTT bridge connected (session present: %s)", flags.session_present)
 
@@ -497,6 +504,14 @@ class Bridge:
         """A broker may advertise shared subscriptions and still refuse one (reason 0x9E),
         or refuse a filter for other reasons (ACLs): said in the log, and a refused share
         turns this bridge to single mode instead of leaving it deaf."""
+        with self._subscribe_lock:
+            awaited = self._awaited_suback
+            if awaited is not None and awaited[0] == mid:
+                self._awaited_suback = None
+                deaf = [topic for topic, rc in zip(awaited[1], reason_codes, strict=False)
+                        if getattr(rc, "is_failure", False) and topic != BROKER_DROPPED_TOPIC]
+                if not deaf:  # (refused inbound filters are logged below)
+                    self.listening.set()
         refused = [rc for rc in reason_codes if getattr(rc, "is_failure", False)]
         if not refused:
             return
@@ -506,7 +521,7 @@ class Bridge:
                 and self.ingest_setting == "auto"):
             self._shares_refused = True
             self._ingest_mode_decide()
-            self._sync_subscriptions(client)
+            self._sync_subscriptions(client, then_listen=True)
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         was_connected = self.connected.is_set()

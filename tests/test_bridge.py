@@ -52,6 +52,10 @@ def cluster(live_server, mqtt_settings):
         knobs=Knobs(rate=0, slow_ms=0), heartbeat_ms=200,
     )
     sim.start()
+    # Registering over HTTP renews a lease too, so "heartbeating" does not mean "hears its
+    # inbox": a request published before the subscription is granted matches nothing.
+    eventually(lambda: all(n.subscribed.is_set() for n in sim.nodes),
+               what="every simulated node subscribed to its inbox")
     yield sim
     sim.stop()
 
@@ -151,6 +155,20 @@ def test_a_killed_bridge_loses_nothing(mqtt_settings, broker, tmp_path):
                                                       last_seen_at__isnull=False).exists(),
                    timeout=30, what="the bridge subprocess starting")
         topic = protocol.inbox_topic(settings.MQTT_TOPIC_PREFIX, "node-z")
+        # Its heartbeat can come before its inbox subscription (in single mode the bridge
+        # subscribes once it holds the ingest lock), and a message published before that
+        # matches nothing on the broker: probe until one is stored, as a sender would.
+        probes: list[str] = []
+
+        def probe_stored() -> bool:
+            probe = protocol.new_envelope(message_type=MT.EVENT, from_agent_id="fin.tax",
+                                          payload={"probe": len(probes)})
+            probes.append(probe.message_id)
+            publisher.publish(topic, protocol.encode(probe), qos=1).wait_for_publish(5)
+            time.sleep(0.2)
+            return Message.objects.filter(message_id__in=probes).exists()
+
+        eventually(probe_stored, timeout=30, what="the bridge storing what its inbox receives")
         ids = []
         for i in range(total):
             env_ = protocol.new_envelope(message_type=MT.EVENT, from_agent_id="fin.tax",
@@ -164,11 +182,22 @@ def test_a_killed_bridge_loses_nothing(mqtt_settings, broker, tmp_path):
         stored_while_down = Message.objects.filter(message_id__in=ids).count()
         assert stored_while_down < total
         proc = _start_bridge(env, log)
+
+        def missing() -> str:
+            stored = set(Message.objects.filter(message_id__in=ids)
+                         .values_list("message_id", flat=True))
+            gone = [i for i, message_id in enumerate(ids) if message_id not in stored]
+            log.seek(0)
+            return (f"{len(gone)} missing (publish order {gone[:5]}…{gone[-5:]}), "
+                    f"{stored_while_down} stored before the restart; bridge log tail: "
+                    f"{log.read()[-1500:]}")
+
         count = eventually(
             lambda: (n := Message.objects.filter(message_id__in=ids).count()) == total and n,
-            timeout=60, what=f"all {total} messages stored after the restart")
+            timeout=60, what=f"all {total} messages stored after the restart", detail=missing)
         assert count == total
-        assert Message.objects.filter(direction=Direction.OBSERVED).count() == total
+        assert Message.objects.filter(direction=Direction.OBSERVED).exclude(
+            message_id__in=probes).count() == total
     finally:
         publisher.loop_stop()
         publisher.disconnect()
@@ -191,14 +220,18 @@ def test_a_busy_answer_reroutes_a_capability_send(bridge, live_server, mqtt_sett
         eventually(lambda: Agent.objects.filter(agent_id__in=["fin.tax", "fin.tax-2"],
                                                 last_heartbeat_at__isnull=False).count() == 2,
                    what="both nodes heartbeating")
+        # As in the cluster fixture: subscribed, not only registered.
+        eventually(lambda: all(n.subscribed.is_set() for n in sim.nodes),
+                   what="every simulated node subscribed to its inbox")
         rerouted = 0
         for n in range(4):
             row = message_send(request=SendRequest(to="capability:tax", from_agent_id="fin.me",
                                                    payload={"n": n}))
             assert row.status == Status.SENT
-            trail = lambda row=row: [  # noqa: E731 - what a failure message shows
+            trail = lambda row=row: ([  # noqa: E731 - what a failure message shows
                 (m.direction, m.message_type, m.to_agent_id, m.status, m.error)
-                for m in Message.objects.filter(task_id=row.task_id).order_by("id")]
+                for m in Message.objects.filter(task_id=row.task_id).order_by("id")],
+                {n.node_id: dict(n.received) for n in sim.nodes})
             eventually(lambda row=row: Message.objects.filter(
                 task_id=row.task_id, status=Status.COMPLETED).exists(),
                 what=f"task {n} completing", detail=trail)
