@@ -52,10 +52,7 @@ def cluster(live_server, mqtt_settings):
         knobs=Knobs(rate=0, slow_ms=0), heartbeat_ms=200,
     )
     sim.start()
-    # Registering over HTTP renews a lease too, so "heartbeating" does not mean "hears its
-    # inbox": a request published before the subscription is granted matches nothing.
-    eventually(lambda: all(n.subscribed.is_set() for n in sim.nodes),
-               what="every simulated node subscribed to its inbox")
+    assert sim.wait_subscribed(), "a simulated node never subscribed to its inbox"
     yield sim
     sim.stop()
 
@@ -220,9 +217,7 @@ def test_a_busy_answer_reroutes_a_capability_send(bridge, live_server, mqtt_sett
         eventually(lambda: Agent.objects.filter(agent_id__in=["fin.tax", "fin.tax-2"],
                                                 last_heartbeat_at__isnull=False).count() == 2,
                    what="both nodes heartbeating")
-        # As in the cluster fixture: subscribed, not only registered.
-        eventually(lambda: all(n.subscribed.is_set() for n in sim.nodes),
-                   what="every simulated node subscribed to its inbox")
+        assert sim.wait_subscribed(), "a simulated node never subscribed to its inbox"
         rerouted = 0
         for n in range(4):
             row = message_send(request=SendRequest(to="capability:tax", from_agent_id="fin.me",
@@ -368,6 +363,7 @@ def test_a_broker_restart_mid_run_loses_nothing_and_runs_nothing_twice(
     sweeping = threading.Thread(target=sweeper, daemon=True)
     try:
         assert bridge.wait_connected(10)
+        assert sim.wait_subscribed(), "a simulated node never subscribed to its inbox"
         agents = [a.agent_id for node in sim.nodes for a in node.agents]
         eventually(lambda: Agent.objects.filter(agent_id__in=agents,
                                                 last_heartbeat_at__isnull=False).count() == 4,

@@ -75,6 +75,7 @@ def test_the_metrics_parse_and_carry_a_simulated_run(bridge, live_server, mqtt_s
     )
     sim.start()
     try:
+        assert sim.wait_subscribed(), "the simulated node never subscribed to its inbox"
         agents = [a.agent_id for a in sim.nodes[0].agents]
         eventually(lambda: Agent.objects.filter(agent_id__in=agents,
                                                 last_heartbeat_at__isnull=False).count() == 2,

@@ -316,6 +316,14 @@ class SimulatedCluster:
             thread.start()
             self._threads.append(thread)
 
+    def wait_subscribed(self, timeout: float = 15.0) -> bool:
+        """Whether every node hears its inbox (its SUBACK came) within `timeout`. A lease in
+        the roster does not say so: registering over HTTP renews one too, and a request
+        published before the subscription is granted matches nothing on the broker."""
+        deadline = time.monotonic() + timeout
+        return all(node.subscribed.wait(max(0.0, deadline - time.monotonic()))
+                   for node in self.nodes)
+
     def stop(self) -> None:
         self._stop.set()
         for thread in self._threads:
