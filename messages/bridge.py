@@ -437,9 +437,8 @@ class Bridge:
             return
         self._ingesting = held
         if held:
-            # Say it hears the bus in this very turn (the report follows in step()), not up
-            # to a second later: readiness and /metrics should not lag the ingest.
-            self._last_hearing = 0.0
+            # It says it hears the bus on the next turn after the SUBACK (_on_subscribe), not
+            # up to a second later: readiness and /metrics should not lag the ingest.
             log.warning("bridge %s took the ingest lock: it ingests now", self.client_id)
         else:
             log.warning("bridge %s lost the ingest lock: standby (publishes the outbox only)",
@@ -512,6 +511,7 @@ class Bridge:
                         if getattr(rc, "is_failure", False) and topic != BROKER_DROPPED_TOPIC]
                 if not deaf:  # (refused inbound filters are logged below)
                     self.listening.set()
+                    self._last_hearing = 0.0  # say so on the owner's next turn
         refused = [rc for rc in reason_codes if getattr(rc, "is_failure", False)]
         if not refused:
             return
@@ -645,11 +645,12 @@ class Bridge:
             return False
 
     def _report_hearing(self) -> None:
-        """Whether the console hears the bus decides whether leases may run out: connected,
-        and this turn's writes commit (an outage of the database or the worker is a gap)."""
+        """Whether the console hears the bus decides whether leases may run out: connected
+        and subscribed (`listening`), and this turn's writes commit (an outage of the
+        database or the worker is a gap)."""
         # A standby (single mode, without the ingest lock) hears nothing of the bus: if it
         # reported, leases could run out while nobody ingests their heartbeats.
-        if self.connected.is_set() and self._ingesting:
+        if self.connected.is_set() and self._ingesting and self.listening.is_set():
             hearing_record(instance=self.client_id)
             self._hearing = True
         elif self._hearing:
