@@ -37,7 +37,7 @@ def seed(agents: int) -> None:
     from roster.models import Agent, ClusterNode, Namespace
 
     with connection.cursor() as cursor:
-        cursor.execute("TRUNCATE roster_agent, roster_rosterevent")
+        cursor.execute("TRUNCATE roster_leasedeadline, roster_agent, roster_rosterevent")
     ns = Namespace.objects.get_or_create(name="bench")[0]
     nodes = [ClusterNode.objects.get_or_create(node_id=f"bench-node-{i}")[0] for i in range(20)]
     now = timezone.now()

@@ -290,6 +290,9 @@ if REACH_HEARTBEAT_MS >= REACH_LEASE_TTL_MS:
         f"({REACH_LEASE_TTL_MS}), or every lease lapses between two heartbeats"
     )
 REACH_LEASE_SWEEP_S = env_float("REACH_LEASE_SWEEP_S", 1.0, minimum=0.1)
+# Connections that sweep a large backlog of lapsed leases at once (roster.services
+# leases_expire): a first full batch means more are due, and the rest is shared out.
+REACH_LEASE_SWEEP_WORKERS = env_int("REACH_LEASE_SWEEP_WORKERS", 2, minimum=1)
 # Leases, staleness and silence are judged only over time a bridge heard the bus (the
 # console's own outage is not the agents' fault). A console that runs no bridge at all
 # (REACH_BRIDGE=0 everywhere, heartbeats over HTTP only) sets this to judge by the clock.
@@ -317,6 +320,8 @@ CELERY_BEAT_SCHEDULE = {
     "loads-reconcile": {"task": "messages.tasks.loads_reconcile", "schedule": 30},
     "cluster-reconcile": {"task": "roster.tasks.cluster_reconcile",
                           "schedule": REACH_RECONCILE_TTL_S},
+    # Deadlines for agents written around the services (roster.models.LeaseDeadline).
+    "lease-deadlines-repair": {"task": "roster.tasks.lease_deadlines_repair", "schedule": 300},
 }
 
 # --- northbound API auth ------------------------------------------------------------------

@@ -137,6 +137,9 @@ class RosterEventAdmin(admin.ModelAdmin):
     list_filter = ["kind"]
     search_fields = ["agent_id", "node_id", "actor", "detail"]
     date_hierarchy = "at"
+    # Newest written first, read backwards off the primary key: `at` has only a BRIN index
+    # (migration 0008), which finds time ranges but cannot order a history of millions.
+    ordering = ["-id"]
 
     def has_add_permission(self, request) -> bool:
         return False

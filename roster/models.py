@@ -152,9 +152,11 @@ class Agent(models.Model):
 
     class Meta:
         ordering = ["agent_id"]
-        # Few indexes, because the lease sweep rewrites every lapsed row (status is indexed,
-        # so no update is HOT): each index here costs a sweep of 100,000 lapsed leases about
-        # 0.2 s (docs/performance.md). Every index is read by a query named beside it.
+        # No index mentions a column the lease sweep writes (status, expired_at, inflight,
+        # updated_at), so its update of a lapsed row is HOT: one new row version on the same
+        # page (fillfactor 45, migration 0008) and no index entry at all. The sweep finds
+        # its rows through LeaseDeadline instead. Every index here is read by a query named
+        # beside it, and each costs every heartbeat one more entry (docs/performance.md).
         constraints = [
             # agent_id = %s (the directory's first level, every API call by id), agent_id__in
             # (heartbeats), agent_id > cursor (API paging).
@@ -163,14 +165,6 @@ class Agent(models.Model):
         indexes = [
             # The directory's third level: segment = %s (directory/resolver.py).
             models.Index(fields=["segment"], name="agent_segment"),
-            # The lease sweep's claim, over the rows that can still lapse only: an agent the
-            # sweep takes OFFLINE leaves this index, so the update writes no entry into it.
-            models.Index(fields=["lease_expires_at"], name="agent_lease_live",
-                         condition=models.Q(status__in=["ONLINE", "DRAINING"])),
-            # Stale agents (ONLINE, not heard for two heartbeats) and the DRAINING and
-            # OFFLINE ones: the problem rows the pages list first, found without reading the
-            # healthy ones (roster/selectors.py _problem_q).
-            models.Index(fields=["status", "last_heartbeat_at"], name="agent_status_heard"),
         ]
         permissions = [("drain_agent", "Can drain and deregister agents from the console")]
 
@@ -204,6 +198,28 @@ class Agent(models.Model):
                 and not self.lease_lapsed(now, heard_since=heard_since))
 
 
+class LeaseDeadline(models.Model):
+    """When the lease sweep next looks at a live (ONLINE or DRAINING) agent: never later
+    than its lease ends (`expires_at <= agent.lease_expires_at`).
+
+    The sweep's queue, apart from the agent so that the agent's own row carries no index on
+    what the sweep changes. Heartbeats leave it alone: a renewed lease only moves the agent's
+    lease_expires_at later, so the deadline stays early, and when the sweep reaches it and
+    finds the lease still running it moves the deadline to the lease's end. An agent that
+    lapses leaves this table in the same statement that takes it OFFLINE (a delete writes
+    no index entry). Registration and a revival write the row (roster/services.py); rows
+    written outside the services are caught up by lease_deadlines_repair.
+    """
+
+    agent = models.OneToOneField(Agent, on_delete=models.CASCADE, primary_key=True,
+                                 related_name="lease_deadline")
+    # The sweep's claim: expires_at < now, oldest first.
+    expires_at = models.DateTimeField(db_index=True)
+
+    def __str__(self) -> str:
+        return f"{self.agent_id} by {self.expires_at}"
+
+
 class RosterEvent(models.Model):
     """One row per change of an agent's life: the history an operator reads afterwards.
 
@@ -221,7 +237,10 @@ class RosterEvent(models.Model):
         REVIVED = "REVIVED", "back online"
         CONFLICT = "CONFLICT", "listed by another node"
 
-    at = models.DateTimeField(default=timezone.now, db_index=True)
+    # Indexed by migration 0008 outside the model: BRIN on PostgreSQL (a history row costs
+    # it next to nothing, and the rows arrive in time order), a btree on SQLite. It serves
+    # time ranges (the last hour's expiries, the admin's date drill-down), not ordering.
+    at = models.DateTimeField(default=timezone.now)
     agent_id = models.CharField(max_length=265)
     node_id = models.CharField(max_length=128, blank=True)
     kind = models.CharField(max_length=16, choices=Kind.choices)
@@ -230,8 +249,13 @@ class RosterEvent(models.Model):
 
     class Meta:
         ordering = ["-at", "-id"]
+        # Few indexes: a lease sweep writes one history row per lapsed agent (100,000 in a
+        # big one), and each index costs every row one more entry.
         indexes = [
-            models.Index(fields=["kind", "at"], name="rosterevent_kind_at"),
+            # Current conflicts (roster/selectors.py recent_conflicts): a handful of rows;
+            # the sweep's EXPIRED and REMOVED rows write no entry into it.
+            models.Index(fields=["at"], name="rosterevent_conflict_at",
+                         condition=models.Q(kind="CONFLICT")),
             # One agent's history, newest first (the agent page). Not db_index=True on
             # agent_id: on PostgreSQL that adds a LIKE index no query uses, which every
             # history row (100,000 in a big lease sweep) would pay for.

@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.core.cache import cache
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, connection, connections, transaction
 from django.db.models import Case, F, Value, When
 from django.utils import timezone
 
@@ -45,6 +46,7 @@ from roster.models import (
     Agent,
     ClusterNode,
     Consistency,
+    LeaseDeadline,
     Namespace,
     lapse_cutoff,
 )
@@ -134,6 +136,28 @@ def _metadata_check(metadata: Any) -> dict:
 
 def _lease_ttl() -> timedelta:
     return timedelta(milliseconds=settings.REACH_LEASE_TTL_MS)
+
+
+def _deadlines_set(agents: list[Agent]) -> None:
+    """The sweep's deadline of each agent, set to its lease's end. Called under the agents'
+    row locks, after their lease was written, for a registration and a revival."""
+    if agents:
+        LeaseDeadline.objects.bulk_create(
+            [LeaseDeadline(agent_id=agent.pk, expires_at=agent.lease_expires_at)
+             for agent in agents],
+            update_conflicts=True, unique_fields=["agent"], update_fields=["expires_at"])
+
+
+def lease_deadlines_repair() -> int:
+    """Give every live agent that has none its deadline (its lease's end). The services
+    write deadlines as they go; this catches agents written around them (a bulk import, a
+    hand-made fix in SQL), which the sweep would otherwise never reach. Returns how many."""
+    missing = (Agent.objects.filter(status__in=[Agent.Status.ONLINE, Agent.Status.DRAINING],
+                                    lease_deadline__isnull=True)
+               .order_by().values_list("pk", "lease_expires_at"))
+    return len(LeaseDeadline.objects.bulk_create(
+        [LeaseDeadline(agent_id=pk, expires_at=at) for pk, at in missing],
+        ignore_conflicts=True, batch_size=5000))
 
 
 def _lease(agent: Agent, *, created: bool) -> Lease:
@@ -244,6 +268,7 @@ def agent_register(
                     status=Agent.Status.ONLINE, registered_at=now, last_heartbeat_at=now,
                     **fields,
                 )
+                _deadlines_set([agent])
                 Event.objects.create(
                     agent_id=agent.agent_id, node_id=node_id, kind=Event.Kind.REGISTERED,
                     actor=actor, at=now,
@@ -274,6 +299,9 @@ def agent_register(
             if agent.status == Agent.Status.OFFLINE:
                 agent.status = Agent.Status.ONLINE
             agent.save()
+            # Always, not only on a revival: the lease may now end earlier than the deadline
+            # (a shorter REACH_LEASE_TTL_MS since the last registration).
+            _deadlines_set([agent])
             detail = f"from {holder}" if kind == Event.Kind.MOVED else "re-registered"
             Event.objects.create(
                 agent_id=agent.agent_id, node_id=node_id, kind=kind, actor=actor, at=now,
@@ -335,6 +363,7 @@ def agent_renew(
                 agent.status = Agent.Status.ONLINE
                 agent.expired_at = None
                 update += ["status", "expired_at"]
+                _deadlines_set([agent])
                 Event.objects.create(
                     agent_id=agent.agent_id, node_id=holder, kind=Event.Kind.REVIVED, at=now,
                     detail="heartbeat after the lease lapsed",
@@ -509,108 +538,154 @@ class ExpiryCounts:
 
 
 def leases_expire(*, now: datetime | None = None, batch: int = 20_000,
-                  max_batches: int = 50) -> ExpiryCounts:
+                  max_batches: int = 50, workers: int | None = None) -> ExpiryCounts:
     """Set-wise sweep of lapsed leases: ONLINE → OFFLINE, DRAINING → removed, each with its
     history row. Batch after batch (each its own short transaction) until none is left.
 
-    Rows are claimed with `skip_locked` and changed with statements guarded on the old
-    status, so two sweepers running at once never count, log or remove an agent twice.
+    It reads the deadlines (LeaseDeadline) that have passed, never the whole roster. Both
+    the deadlines and their agents are claimed with `skip_locked`: two sweepers never count,
+    log or remove an agent twice, and an agent a registration or heartbeat holds right now
+    waits for the next batch. So when more than a batch is due (a node that died with its
+    agents, a console back from an outage), `workers` connections sweep at once
+    (REACH_LEASE_SWEEP_WORKERS; PostgreSQL outside a transaction only).
     Nothing lapses until the console has heard the bus for a full TTL
     (roster.models.lapse_cutoff)."""
     now = now or timezone.now()
     cutoff = lapse_cutoff(now, bus_heard_since(now=now))
     if cutoff is None:
         return ExpiryCounts(offline=0, removed=0)
+    spread = workers or settings.REACH_LEASE_SWEEP_WORKERS
+    if connection.vendor != "postgresql" or connection.in_atomic_block:
+        spread = 1  # SQLite has one writer; threads would not see this transaction
+    elif spread > 1 and not LeaseDeadline.objects.filter(expires_at__lt=now)[batch:batch + 1]:
+        spread = 1  # one batch holds all that is due: the common case, every second
+    if spread == 1:
+        runs = [_batches_run(now=now, batch=batch, max_batches=max_batches)]
+    else:
+        with ThreadPoolExecutor(spread, thread_name_prefix="lease-sweep") as pool:
+            runs = list(pool.map(lambda _: _batches_run_apart(
+                now=now, batch=batch, max_batches=max_batches), range(spread)))
+    offline = sum(run[0] for run in runs)
+    removed = sum(run[1] for run in runs)
+    if removed:
+        _roster_changed()
+    return ExpiryCounts(offline=offline, removed=removed)
+
+
+def _batches_run(*, now: datetime, batch: int, max_batches: int) -> tuple[int, int]:
+    """Batches on this thread's connection until one is not full. Returns the agents taken
+    OFFLINE and those removed."""
     sweep = _expire_batch_pg if connection.vendor == "postgresql" else _expire_batch
     offline = removed = 0
     for _ in range(max_batches):
         with transaction.atomic():
-            claimed, batch_offline, batch_removed = sweep(now=now, batch=batch)
+            due, seen, batch_offline, batch_removed = sweep(now=now, batch=batch)
         offline, removed = offline + batch_offline, removed + batch_removed
-        if batch_removed:
-            _roster_changed()
-        if claimed < batch:
+        if due < batch or not seen:  # all done, or the rest is held by others right now
             break
-    return ExpiryCounts(offline=offline, removed=removed)
+    return offline, removed
 
 
-# One statement a batch: claim, change, delete and write the history in the database, with
-# no per-row parameters (a batch of any size binds five values). The claim reads the partial
-# index agent_lease_live (rows that can still lapse); the update and the delete look their
-# rows up from the claimed ids (= ANY), not by a hash join against a scan of the whole table,
-# so a batch costs the same whether the roster holds 20,000 agents or millions.
+def _batches_run_apart(*, now: datetime, batch: int, max_batches: int) -> tuple[int, int]:
+    """_batches_run on a thread of its own, which closes the connection it opened."""
+    try:
+        return _batches_run(now=now, batch=batch, max_batches=max_batches)
+    finally:
+        connections.close_all()
+
+
+# One statement a batch, with no per-row parameters: claim the passed deadlines and their
+# agents, take the lapsed ONLINE ones OFFLINE and remove the lapsed DRAINING ones, move the
+# deadline of an agent renewed since to its lease's end, drop the rest, and write the
+# history. The update of roster_agent changes no indexed column, so it is HOT (Agent.Meta);
+# rows are found by key (= ANY), so a batch costs the same on a roster of millions.
 _EXPIRE_SQL = """
-WITH lapsed AS (
-    SELECT id, status FROM roster_agent
-    WHERE status IN ('ONLINE', 'DRAINING') AND lease_expires_at < %(now)s
-    ORDER BY lease_expires_at LIMIT %(batch)s
+WITH due AS (
+    SELECT agent_id, ctid FROM roster_leasedeadline
+    WHERE expires_at < %(now)s
+    ORDER BY expires_at LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+), seen AS MATERIALIZED (
+    SELECT a.id, a.ctid, a.status IN ('ONLINE', 'DRAINING') AS live,
+           a.lease_expires_at < %(now)s AS lapsed, a.status, a.lease_expires_at
+    FROM roster_agent a
+    WHERE a.id = ANY (ARRAY(SELECT agent_id FROM due))
     FOR UPDATE SKIP LOCKED
 ), went_offline AS (
     UPDATE roster_agent a SET status = 'OFFLINE', expired_at = %(now)s, inflight = 0,
                               updated_at = %(now)s
-    WHERE a.id = ANY (ARRAY(SELECT id FROM lapsed WHERE status = 'ONLINE'))
-      AND a.status = 'ONLINE'
-    RETURNING a.agent_id, a.node_id
+    WHERE a.ctid = ANY (ARRAY(SELECT ctid FROM seen WHERE lapsed AND status = 'ONLINE'))
+    RETURNING a.agent_id, a.node_id, 'EXPIRED'::text AS kind, ''::text AS detail
 ), removed AS (
     DELETE FROM roster_agent a
-    WHERE a.id = ANY (ARRAY(SELECT id FROM lapsed WHERE status = 'DRAINING'))
-      AND a.status = 'DRAINING'
-    RETURNING a.agent_id, a.node_id
+    WHERE a.ctid = ANY (ARRAY(SELECT ctid FROM seen WHERE lapsed AND status = 'DRAINING'))
+    RETURNING a.agent_id, a.node_id, 'REMOVED'::text AS kind,
+              'lease lapsed while draining'::text AS detail
+), moved AS (
+    UPDATE roster_leasedeadline d SET expires_at = s.lease_expires_at
+    FROM seen s
+    WHERE d.agent_id = s.id AND s.live AND NOT s.lapsed
+), dropped AS (
+    DELETE FROM roster_leasedeadline d
+    WHERE d.ctid = ANY (ARRAY(SELECT due.ctid FROM due JOIN seen ON seen.id = due.agent_id
+                              WHERE seen.lapsed OR NOT seen.live))
 ), history AS (
     INSERT INTO roster_rosterevent (at, agent_id, node_id, kind, actor, detail)
     SELECT %(now)s, c.agent_id, n.node_id, c.kind, 'sweeper', c.detail
-    FROM (SELECT agent_id, node_id, 'EXPIRED' AS kind, '' AS detail FROM went_offline
-          UNION ALL
-          SELECT agent_id, node_id, 'REMOVED', 'lease lapsed while draining' FROM removed) c
+    FROM (TABLE went_offline UNION ALL TABLE removed) c
     JOIN roster_clusternode n ON n.id = c.node_id
     RETURNING kind
 )
-SELECT (SELECT count(*) FROM lapsed),
-       (SELECT count(*) FROM history WHERE kind = 'EXPIRED'),
-       (SELECT count(*) FROM history WHERE kind = 'REMOVED')
+SELECT (SELECT count(*) FROM due), (SELECT count(*) FROM seen),
+       count(*) FILTER (WHERE kind = 'EXPIRED'), count(*) FILTER (WHERE kind = 'REMOVED')
+FROM history
 """
 
 
-def _expire_batch_pg(*, now: datetime, batch: int) -> tuple[int, int, int]:
+def _expire_batch_pg(*, now: datetime, batch: int) -> tuple[int, int, int, int]:
     with connection.cursor() as cursor:
         cursor.execute(_EXPIRE_SQL, {"now": now, "batch": batch})
-        claimed, offline, removed = cursor.fetchone()
-    return claimed, offline, removed
+        due, seen, offline, removed = cursor.fetchone()
+    return due, seen, offline, removed
 
 
-def _expire_batch(*, now: datetime, batch: int) -> tuple[int, int, int]:
+def _expire_batch(*, now: datetime, batch: int) -> tuple[int, int, int, int]:
     """The same batch for SQLite (the embedded mode), which has no data-modifying CTEs:
     a few statements, still set-wise."""
-    claimed = list(
-        Agent.objects.select_for_update(skip_locked=True, of=("self",))
-        .filter(status__in=[Agent.Status.ONLINE, Agent.Status.DRAINING],
-                lease_expires_at__lt=now)
-        .order_by("lease_expires_at")
-        .values_list("id", "agent_id", "status", "node__node_id")[:batch]
-    )
-    if not claimed:
-        return 0, 0, 0
-    online = [row for row in claimed if row[2] == Agent.Status.ONLINE]
-    draining = [row for row in claimed if row[2] == Agent.Status.DRAINING]
-    offline = 0
-    for chunk in _chunks([row[0] for row in online]):  # SQLite's bound-parameter limit
-        offline += Agent.objects.filter(
-            id__in=chunk, status=Agent.Status.ONLINE, lease_expires_at__lt=now,
-        ).update(status=Agent.Status.OFFLINE, expired_at=now, inflight=0, updated_at=now)
-    removed = 0
+    due = list(LeaseDeadline.objects.select_for_update(skip_locked=True)
+               .filter(expires_at__lt=now).order_by("expires_at")
+               .values_list("agent_id", flat=True)[:batch])
+    seen = []
+    for chunk in _chunks(due):  # SQLite's bound-parameter limit
+        seen += (Agent.objects.select_for_update(skip_locked=True, of=("self",))
+                 .filter(pk__in=chunk)
+                 .values_list("id", "agent_id", "status", "lease_expires_at", "node__node_id"))
+    live = {Agent.Status.ONLINE, Agent.Status.DRAINING}
+    lapsed = [row for row in seen if row[2] in live and row[3] < now]
+    online = [row for row in lapsed if row[2] == Agent.Status.ONLINE]
+    draining = [row for row in lapsed if row[2] == Agent.Status.DRAINING]
+    offline = removed = 0
+    for chunk in _chunks([row[0] for row in online]):
+        offline += Agent.objects.filter(id__in=chunk, status=Agent.Status.ONLINE).update(
+            status=Agent.Status.OFFLINE, expired_at=now, inflight=0, updated_at=now)
     for chunk in _chunks([row[0] for row in draining]):
-        removed += Agent.objects.filter(
-            id__in=chunk, status=Agent.Status.DRAINING, lease_expires_at__lt=now,
-        ).delete()[0]
+        # delete() counts the deadlines it cascades to as well: only the agents count.
+        removed += Agent.objects.filter(id__in=chunk, status=Agent.Status.DRAINING).delete(
+        )[1].get(Agent._meta.label, 0)
+    LeaseDeadline.objects.bulk_update(
+        [LeaseDeadline(agent_id=row[0], expires_at=row[3]) for row in seen
+         if row[2] in live and row[3] >= now], ["expires_at"], batch_size=2000)
+    for chunk in _chunks([row[0] for row in seen if row[2] not in live or row[3] < now]):
+        LeaseDeadline.objects.filter(agent_id__in=chunk).delete()
     Event.objects.bulk_create([
-        Event(agent_id=row[1], node_id=row[3], kind=Event.Kind.EXPIRED, actor="sweeper", at=now)
+        Event(agent_id=row[1], node_id=row[4], kind=Event.Kind.EXPIRED, actor="sweeper", at=now)
         for row in online
     ] + [
-        Event(agent_id=row[1], node_id=row[3], kind=Event.Kind.REMOVED, actor="sweeper", at=now,
+        Event(agent_id=row[1], node_id=row[4], kind=Event.Kind.REMOVED, actor="sweeper", at=now,
               detail="lease lapsed while draining")
         for row in draining
     ], batch_size=2000)
-    return len(claimed), offline, removed
+    return len(due), len(seen), offline, removed
 
 
 def _chunks(ids: list[int], size: int = 2000) -> list[list[int]]:
@@ -765,6 +840,9 @@ def heartbeat_record(
             ["lease_expires_at", "last_heartbeat_at", "inflight", "queue_depth", "max_inflight",
              "status", "expired_at"],
         )
+        # Only the revived need a deadline: a live agent's stays early (LeaseDeadline).
+        back = set(revived)
+        _deadlines_set([agent for agent in renewed if agent.agent_id in back])
         Event.objects.bulk_create(events)
     known = {agent.agent_id for agent in rows}
     return HeartbeatOutcome(

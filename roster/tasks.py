@@ -14,6 +14,11 @@ def leases_expire() -> dict[str, int]:
     return {"offline": counts.offline, "removed": counts.removed}
 
 
+@shared_task(name="roster.tasks.lease_deadlines_repair", ignore_result=True)
+def lease_deadlines_repair() -> int:
+    return services.lease_deadlines_repair()
+
+
 @shared_task(name="roster.tasks.nodes_sweep", ignore_result=True)
 def nodes_sweep() -> int:
     return services.nodes_sweep()

@@ -5,7 +5,7 @@ import pytest
 from reachconsole.core.audit import AuditEntry
 from roster import services
 from roster.errors import AgentHeldElsewhere, AgentNotFound, InvalidAgentId, InvalidField, WrongNode
-from roster.models import Agent, ClusterNode, RosterEvent
+from roster.models import Agent, ClusterNode, LeaseDeadline, RosterEvent
 from tests.conftest import later, register, run_at_once
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
@@ -179,6 +179,65 @@ def test_it_brings_an_expired_agent_back_on_heartbeat(now, settings):
     agent = Agent.objects.get()
     assert agent.status == Agent.Status.ONLINE and agent.expired_at is None
     assert RosterEvent.objects.filter(kind="REVIVED").count() == 1
+
+
+def deadline(agent_id: str):
+    found = LeaseDeadline.objects.filter(agent__agent_id=agent_id).first()
+    return found and found.expires_at
+
+
+def test_a_live_agent_has_a_sweep_deadline_no_later_than_its_lease(now, settings):
+    ttl = settings.REACH_LEASE_TTL_MS
+    register("fin.tax", now=now)
+    assert deadline("fin.tax") == later(now, ttl)
+    # A heartbeat moves the lease, not the deadline: it stays early.
+    services.agent_renew(agent_id="fin.tax", now=later(now, 1000))
+    services.heartbeat_record(node_id="node-a", agents=[{"agentId": "fin.tax"}],
+                              now=later(now, 2000))
+    assert deadline("fin.tax") == later(now, ttl)
+    # The sweep reaches it, finds the lease running, and moves it to the lease's end.
+    assert services.leases_expire(now=later(now, ttl + 1)) == services.ExpiryCounts(0, 0)
+    assert deadline("fin.tax") == later(now, 2000 + ttl)
+    assert Agent.objects.get().status == Agent.Status.ONLINE
+    # Lapsed: OFFLINE, and nothing left for the sweep.
+    assert services.leases_expire(now=later(now, 2001 + ttl)).offline == 1
+    assert deadline("fin.tax") is None
+    # Back by a heartbeat: a deadline again, and a lapse is swept again.
+    back = later(now, 5000 + ttl)
+    services.heartbeat_record(node_id="node-a", agents=[{"agentId": "fin.tax"}], now=back)
+    assert deadline("fin.tax") == later(back, ttl)
+    assert services.leases_expire(now=later(back, ttl + 1)).offline == 1
+    services.agent_renew(agent_id="fin.tax", now=later(back, 2 * ttl))
+    assert deadline("fin.tax") == later(back, 3 * ttl)
+    services.agent_deregister(agent_id="fin.tax")
+    assert not LeaseDeadline.objects.exists()
+
+
+def test_a_re_registration_sets_the_deadline_to_the_new_lease(now, settings):
+    register("fin.tax", now=now)
+    settings.REACH_LEASE_TTL_MS = 1000  # shorter than before: the lease ends earlier
+    register("fin.tax", now=later(now, 10))
+    assert deadline("fin.tax") == later(now, 1010)
+    assert services.leases_expire(now=later(now, 1011)).offline == 1
+
+
+def test_an_agent_written_around_the_services_is_swept_once_repaired(now, settings):
+    register("fin.tax", now=now)
+    LeaseDeadline.objects.all().delete()  # as a bulk import or a hand-made fix would leave it
+    moment = later(now, settings.REACH_LEASE_TTL_MS + 1)
+    assert services.leases_expire(now=moment) == services.ExpiryCounts(0, 0)
+    assert services.lease_deadlines_repair() == 1
+    assert services.lease_deadlines_repair() == 0
+    assert services.leases_expire(now=moment).offline == 1
+
+
+def test_a_deadline_left_on_an_agent_that_is_not_live_is_dropped(now, settings):
+    register("fin.tax", now=now)
+    Agent.objects.filter(agent_id="fin.tax").update(status=Agent.Status.OFFLINE)
+    assert services.leases_expire(now=later(now, settings.REACH_LEASE_TTL_MS + 1)) == (
+        services.ExpiryCounts(0, 0))
+    assert not LeaseDeadline.objects.exists()
+    assert not RosterEvent.objects.filter(kind="EXPIRED").exists()
 
 
 @pytest.mark.django_db(transaction=True)
