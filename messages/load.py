@@ -104,10 +104,18 @@ class Capacities:
         self.agents = {agent_id: AgentCapacity(max_inflight=limits.get(agent_id) or 1,
                                                inflight=load.inflight, held=load.held)
                        for agent_id, load in loads.items() if agent_id in limits}
+        # Published to agents that have no limit right now: off the roster since they were
+        # resolved (a deregistration between the two). Sent as resolved, and still counted,
+        # or the kept count falls behind the rows until loads_reconcile.
+        self.unlimited: dict[str, int] = {}
 
     def decide(self, agent_id: str) -> str:
         capacity = self.agents.get(agent_id)
-        return capacity.decide() if capacity else "publish"
+        if capacity is not None:
+            return capacity.decide()
+        if agent_id in self.loads:
+            self.unlimited[agent_id] = self.unlimited.get(agent_id, 0) + 1
+        return "publish"
 
     def write(self) -> None:
         for agent_id in sorted(self.agents):
@@ -116,6 +124,10 @@ class Capacities:
                 AgentLoad.objects.filter(pk=load.pk).update(inflight=capacity.inflight,
                                                             held=capacity.held)
                 load.inflight, load.held = capacity.inflight, capacity.held
+        for agent_id in sorted(self.unlimited):
+            load = self.loads[agent_id]
+            load.inflight += self.unlimited.pop(agent_id)
+            AgentLoad.objects.filter(pk=load.pk).update(inflight=load.inflight)
 
 
 def loads_lock(agent_ids: Iterable[str]) -> Capacities:

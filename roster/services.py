@@ -152,12 +152,21 @@ def lease_deadlines_repair() -> int:
     """Give every live agent that has none its deadline (its lease's end). The services
     write deadlines as they go; this catches agents written around them (a bulk import, a
     hand-made fix in SQL), which the sweep would otherwise never reach. Returns how many."""
-    missing = (Agent.objects.filter(status__in=[Agent.Status.ONLINE, Agent.Status.DRAINING],
-                                    lease_deadline__isnull=True)
-               .order_by().values_list("pk", "lease_expires_at"))
-    return len(LeaseDeadline.objects.bulk_create(
-        [LeaseDeadline(agent_id=pk, expires_at=at) for pk, at in missing],
-        ignore_conflicts=True, batch_size=5000))
+    for attempt in range(3):
+        try:
+            with transaction.atomic():
+                missing = list(
+                    Agent.objects.filter(status__in=[Agent.Status.ONLINE, Agent.Status.DRAINING],
+                                         lease_deadline__isnull=True)
+                    .order_by().values_list("pk", "lease_expires_at"))
+                LeaseDeadline.objects.bulk_create(
+                    [LeaseDeadline(agent_id=pk, expires_at=at) for pk, at in missing],
+                    ignore_conflicts=True, batch_size=5000)
+            return len(missing)
+        except IntegrityError:  # one of them deregistered meanwhile: read again
+            if attempt == 2:
+                raise
+    return 0
 
 
 def _lease(agent: Agent, *, created: bool) -> Lease:
@@ -351,6 +360,7 @@ def agent_renew(
                 detail=f"heartbeat from {node_id}, but the roster places it on {holder}",
             )
         else:
+            earlier = now + _lease_ttl() < agent.lease_expires_at
             agent.lease_expires_at = now + _lease_ttl()
             agent.last_heartbeat_at = now
             if inflight is not None:
@@ -363,12 +373,14 @@ def agent_renew(
                 agent.status = Agent.Status.ONLINE
                 agent.expired_at = None
                 update += ["status", "expired_at"]
-                _deadlines_set([agent])
+                earlier = True  # live again: it needs a deadline
                 Event.objects.create(
                     agent_id=agent.agent_id, node_id=holder, kind=Event.Kind.REVIVED, at=now,
                     detail="heartbeat after the lease lapsed",
                 )
             agent.save(update_fields=update)
+            if earlier:  # the deadline may now be later than the lease's end
+                _deadlines_set([agent])
             lease = _lease(agent, created=False)
     if lease is not None:
         # A heartbeat over HTTP has the same effect as one over MQTT: the node is alive.
@@ -412,9 +424,12 @@ def agent_drain(*, agent_id: str, actor: str = "", now: datetime | None = None) 
 def _drain(agent: Agent, *, actor: str, now: datetime) -> None:
     """Drain one agent locked by the caller, and audit it, in the caller's transaction."""
     if agent.status != Agent.Status.DRAINING:
+        was_offline = agent.status == Agent.Status.OFFLINE
         agent.status = Agent.Status.DRAINING
         agent.drained_at = now
         agent.save(update_fields=["status", "drained_at", "updated_at"])
+        if was_offline:  # live again: the sweep removes it once its lease has lapsed
+            _deadlines_set([agent])
         Event.objects.create(
             agent_id=agent.agent_id, node_id=agent.node.node_id, kind=Event.Kind.DRAINED,
             actor=actor, at=now,
@@ -502,16 +517,18 @@ def node_drain(*, node_id: str, actor: str, now: datetime | None = None) -> list
         # Locked in agent id order, like every multi-agent lock (the roster's lock order).
         rows = list(Agent.objects.select_for_update().filter(node=node)
                     .exclude(status=Agent.Status.DRAINING).order_by("agent_id")
-                    .values_list("pk", "agent_id"))
-        Agent.objects.filter(pk__in=[pk for pk, _ in rows]).update(
+                    .only("pk", "agent_id", "status", "lease_expires_at"))
+        Agent.objects.filter(pk__in=[agent.pk for agent in rows]).update(
             status=Agent.Status.DRAINING, drained_at=now, updated_at=now)
+        # The OFFLINE ones are live again: the sweep removes them once their leases lapsed.
+        _deadlines_set([agent for agent in rows if agent.status == Agent.Status.OFFLINE])
         Event.objects.bulk_create([
-            Event(agent_id=agent_id, node_id=node_id, kind=Event.Kind.DRAINED, actor=actor,
-                  at=now, detail="the whole node is draining")
-            for _, agent_id in rows])
+            Event(agent_id=agent.agent_id, node_id=node_id, kind=Event.Kind.DRAINED,
+                  actor=actor, at=now, detail="the whole node is draining")
+            for agent in rows])
         audit_record(actor=actor, action="drain-node", target=node_id,
                      detail=f"{len(rows)} agent(s) draining")
-    return [agent_id for _, agent_id in rows]
+    return [agent.agent_id for agent in rows]
 
 
 def agent_deregister(*, agent_id: str, actor: str = "", now: datetime | None = None) -> str:
@@ -562,14 +579,17 @@ def leases_expire(*, now: datetime | None = None, batch: int = 20_000,
     if spread == 1:
         runs = [_batches_run(now=now, batch=batch, max_batches=max_batches)]
     else:
+        # The threads borrow from this process's pool: give this thread's connection back
+        # first, and never ask for more than the pool holds.
+        connection.close()
+        pool = connection.settings_dict["OPTIONS"].get("pool")
+        if isinstance(pool, dict) and pool.get("max_size"):
+            spread = min(spread, pool["max_size"])
         with ThreadPoolExecutor(spread, thread_name_prefix="lease-sweep") as pool:
             runs = list(pool.map(lambda _: _batches_run_apart(
                 now=now, batch=batch, max_batches=max_batches), range(spread)))
-    offline = sum(run[0] for run in runs)
-    removed = sum(run[1] for run in runs)
-    if removed:
-        _roster_changed()
-    return ExpiryCounts(offline=offline, removed=removed)
+    return ExpiryCounts(offline=sum(run[0] for run in runs),
+                        removed=sum(run[1] for run in runs))
 
 
 def _batches_run(*, now: datetime, batch: int, max_batches: int) -> tuple[int, int]:
@@ -581,6 +601,8 @@ def _batches_run(*, now: datetime, batch: int, max_batches: int) -> tuple[int, i
         with transaction.atomic():
             due, seen, batch_offline, batch_removed = sweep(now=now, batch=batch)
         offline, removed = offline + batch_offline, removed + batch_removed
+        if batch_removed:
+            _roster_changed()
         if due < batch or not seen:  # all done, or the rest is held by others right now
             break
     return offline, removed
@@ -596,17 +618,25 @@ def _batches_run_apart(*, now: datetime, batch: int, max_batches: int) -> tuple[
 
 # One statement a batch, with no per-row parameters: claim the passed deadlines and their
 # agents, take the lapsed ONLINE ones OFFLINE and remove the lapsed DRAINING ones, move the
-# deadline of an agent renewed since to its lease's end, drop the rest, and write the
-# history. The update of roster_agent changes no indexed column, so it is HOT (Agent.Meta);
-# rows are found by key (= ANY), so a batch costs the same on a roster of millions.
+# deadline of an agent renewed since to its lease's end, drop the deadlines of the agents
+# it changed and of those no longer live, and write the history. The update of roster_agent
+# changes no indexed column, so it is HOT (Agent.Meta); rows are found by key (= ANY), so a
+# batch costs the same on a roster of millions.
+#
+# The changes re-check the old state (status, lease) and are not addressed by the ctid the
+# claim locked: a row changed by a transaction that committed after this statement's
+# snapshot but before its lock is locked in its newest version, which the statement's own
+# UPDATE or DELETE cannot see by ctid; by key, PostgreSQL re-checks the newest version. An
+# agent drained in that moment is then neither taken OFFLINE nor removed, and its deadline
+# stays for the next batch. Its deadline goes only with what was actually changed.
 _EXPIRE_SQL = """
 WITH due AS (
-    SELECT agent_id, ctid FROM roster_leasedeadline
+    SELECT agent_id FROM roster_leasedeadline
     WHERE expires_at < %(now)s
     ORDER BY expires_at LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
 ), seen AS MATERIALIZED (
-    SELECT a.id, a.ctid, a.status IN ('ONLINE', 'DRAINING') AS live,
+    SELECT a.id, a.status IN ('ONLINE', 'DRAINING') AS live,
            a.lease_expires_at < %(now)s AS lapsed, a.status, a.lease_expires_at
     FROM roster_agent a
     WHERE a.id = ANY (ARRAY(SELECT agent_id FROM due))
@@ -614,12 +644,14 @@ WITH due AS (
 ), went_offline AS (
     UPDATE roster_agent a SET status = 'OFFLINE', expired_at = %(now)s, inflight = 0,
                               updated_at = %(now)s
-    WHERE a.ctid = ANY (ARRAY(SELECT ctid FROM seen WHERE lapsed AND status = 'ONLINE'))
-    RETURNING a.agent_id, a.node_id, 'EXPIRED'::text AS kind, ''::text AS detail
+    WHERE a.id = ANY (ARRAY(SELECT id FROM seen WHERE lapsed AND status = 'ONLINE'))
+      AND a.status = 'ONLINE' AND a.lease_expires_at < %(now)s
+    RETURNING a.id, a.agent_id, a.node_id, 'EXPIRED'::text AS kind, ''::text AS detail
 ), removed AS (
     DELETE FROM roster_agent a
-    WHERE a.ctid = ANY (ARRAY(SELECT ctid FROM seen WHERE lapsed AND status = 'DRAINING'))
-    RETURNING a.agent_id, a.node_id, 'REMOVED'::text AS kind,
+    WHERE a.id = ANY (ARRAY(SELECT id FROM seen WHERE lapsed AND status = 'DRAINING'))
+      AND a.status = 'DRAINING' AND a.lease_expires_at < %(now)s
+    RETURNING a.id, a.agent_id, a.node_id, 'REMOVED'::text AS kind,
               'lease lapsed while draining'::text AS detail
 ), moved AS (
     UPDATE roster_leasedeadline d SET expires_at = s.lease_expires_at
@@ -627,8 +659,9 @@ WITH due AS (
     WHERE d.agent_id = s.id AND s.live AND NOT s.lapsed
 ), dropped AS (
     DELETE FROM roster_leasedeadline d
-    WHERE d.ctid = ANY (ARRAY(SELECT due.ctid FROM due JOIN seen ON seen.id = due.agent_id
-                              WHERE seen.lapsed OR NOT seen.live))
+    WHERE d.agent_id = ANY (ARRAY(SELECT id FROM went_offline UNION ALL
+                                  SELECT id FROM removed UNION ALL
+                                  SELECT id FROM seen WHERE NOT live))
 ), history AS (
     INSERT INTO roster_rosterevent (at, agent_id, node_id, kind, actor, detail)
     SELECT %(now)s, c.agent_id, n.node_id, c.kind, 'sweeper', c.detail
@@ -810,6 +843,7 @@ def heartbeat_record(
             .order_by("agent_id")
         )
         renewed, conflicts, revived, events = [], [], [], []
+        earlier: dict[int, Agent] = {}  # by primary key: once each
         for agent in rows:
             if agent.node_id != node.pk:
                 conflicts.append(agent.agent_id)
@@ -820,6 +854,8 @@ def heartbeat_record(
                 ))
                 continue
             load = loads[agent.agent_id]
+            if now + _lease_ttl() < agent.lease_expires_at:
+                earlier[agent.pk] = agent  # the deadline may now be later than the lease's end
             agent.lease_expires_at = now + _lease_ttl()
             agent.last_heartbeat_at = now
             agent.inflight = _non_negative(load.get("inflight"), agent.inflight)
@@ -830,6 +866,7 @@ def heartbeat_record(
                 agent.status = Agent.Status.ONLINE
                 agent.expired_at = None
                 revived.append(agent.agent_id)
+                earlier[agent.pk] = agent
                 events.append(Event(
                     agent_id=agent.agent_id, node_id=node_id, kind=Event.Kind.REVIVED, at=now,
                     detail="heartbeat after the lease lapsed",
@@ -840,9 +877,8 @@ def heartbeat_record(
             ["lease_expires_at", "last_heartbeat_at", "inflight", "queue_depth", "max_inflight",
              "status", "expired_at"],
         )
-        # Only the revived need a deadline: a live agent's stays early (LeaseDeadline).
-        back = set(revived)
-        _deadlines_set([agent for agent in renewed if agent.agent_id in back])
+        # Only these need their deadline written: a live agent's stays early (LeaseDeadline).
+        _deadlines_set(list(earlier.values()))
         Event.objects.bulk_create(events)
     known = {agent.agent_id for agent in rows}
     return HeartbeatOutcome(

@@ -43,3 +43,12 @@ def sign_in(page, base: str, username: str, password: str, next_path: str = "/")
     page.fill("input[name=username]", username)
     page.fill("input[name=password]", password)
     page.click("button[type=submit]")
+    page.wait_for_url(lambda url: "/accounts/login/" not in url)
+    htmx_ready(page)
+
+
+def htmx_ready(page) -> None:
+    """Wait for the page a click navigated to (once it is there) to finish loading: htmx, a
+    deferred script, wires the page's triggers only then, and a change made before is lost."""
+    page.wait_for_load_state("load")
+    page.wait_for_function("() => window.htmx !== undefined")

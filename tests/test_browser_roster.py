@@ -7,7 +7,7 @@ from django.contrib.auth.models import Permission, User
 from playwright.sync_api import expect
 
 from roster.models import Agent, RosterEvent
-from tests.browser import chromium_page
+from tests.browser import chromium_page, htmx_ready
 from tests.conftest import register
 
 XSS = '<img src=x onerror="window.pwned=1">'
@@ -28,6 +28,7 @@ def test_it_logs_in_filters_and_drains_an_agent(live_server, async_unsafe):
         page.fill("input[name=password]", "pw-olga-123")
         page.click("button[type=submit]")
         expect(page.locator("h1")).to_have_text("Roster health")
+        htmx_ready(page)
         expect(page.locator("tr[data-agent]")).to_have_count(3)
 
         page.select_option("select[name=namespace]", "fin")

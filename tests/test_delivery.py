@@ -14,6 +14,7 @@ from messages import protocol
 from messages.delivery import retry_delay_ms
 from messages.idempotency import idempotency_claim
 from messages.inbound import Incoming, messages_ingest
+from messages.load import loads_kept, loads_lock
 from messages.models import Direction, Message, Status
 from messages.outbound import SendRefused, SendRequest, message_send
 from messages.outbox import outbox_claim
@@ -261,6 +262,19 @@ def test_held_work_of_an_agent_that_left_the_roster_ends(now):
     held.refresh_from_db()
     assert held.status == Status.UNDELIVERABLE and not held.held
     assert "no agent fin.tax is on the roster" in held.error
+
+
+def test_a_publish_to_an_agent_that_left_after_it_was_resolved_is_counted():
+    """A deregistration between a send's resolution and its lock on the load rows: the
+    agent has no limit then, and the message goes out as resolved. It is counted all the
+    same, so the kept count stays equal to the rows."""
+    register("fin.tax", "node-a")
+    services.agent_deregister(agent_id="fin.tax")
+    with transaction.atomic():
+        capacities = loads_lock(["fin.tax"])
+        assert [capacities.decide("fin.tax") for _ in range(2)] == ["publish", "publish"]
+        capacities.write()
+    assert loads_kept(["fin.tax"]) == {"fin.tax": (2, 0)}
 
 
 def test_held_work_past_its_deadline_expires(now):

@@ -231,6 +231,34 @@ def test_an_agent_written_around_the_services_is_swept_once_repaired(now, settin
     assert services.leases_expire(now=moment).offline == 1
 
 
+def test_an_offline_agent_drained_is_removed_by_the_sweep(now, settings):
+    ttl = settings.REACH_LEASE_TTL_MS
+    register("fin.tax", now=now)
+    register("fin.vat", node_id="node-b", now=now)
+    register("fin.fee", node_id="node-b", now=now)
+    assert services.leases_expire(now=later(now, ttl + 1)).offline == 3
+    # Drained while OFFLINE: live again (DRAINING), so the sweep must reach it.
+    services.agent_drain(agent_id="fin.tax", now=later(now, ttl + 2))
+    assert services.node_drain(node_id="node-b", actor="ops", now=later(now, ttl + 2)) == [
+        "fin.fee", "fin.vat"]
+    assert {deadline(a) for a in ("fin.tax", "fin.vat", "fin.fee")} == {later(now, ttl)}
+    assert services.leases_expire(now=later(now, ttl + 3)) == services.ExpiryCounts(0, 3)
+    assert not Agent.objects.exists() and not LeaseDeadline.objects.exists()
+
+
+@pytest.mark.parametrize("renew", ["http", "mqtt"])
+def test_a_renewal_that_ends_the_lease_earlier_moves_the_deadline(now, settings, renew):
+    register("fin.tax", now=now)
+    settings.REACH_LEASE_TTL_MS = 1000  # shorter than before: the lease ends earlier
+    at = later(now, 10)
+    if renew == "http":
+        services.agent_renew(agent_id="fin.tax", now=at)
+    else:
+        services.heartbeat_record(node_id="node-a", agents=[{"agentId": "fin.tax"}], now=at)
+    assert deadline("fin.tax") == later(now, 1010)
+    assert services.leases_expire(now=later(now, 1011)).offline == 1
+
+
 def test_a_deadline_left_on_an_agent_that_is_not_live_is_dropped(now, settings):
     register("fin.tax", now=now)
     Agent.objects.filter(agent_id="fin.tax").update(status=Agent.Status.OFFLINE)
