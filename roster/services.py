@@ -151,22 +151,19 @@ def _deadlines_set(agents: list[Agent]) -> None:
 def lease_deadlines_repair() -> int:
     """Give every live agent that has none its deadline (its lease's end). The services
     write deadlines as they go; this catches agents written around them (a bulk import, a
-    hand-made fix in SQL), which the sweep would otherwise never reach. Returns how many."""
-    for attempt in range(3):
-        try:
-            with transaction.atomic():
-                missing = list(
-                    Agent.objects.filter(status__in=[Agent.Status.ONLINE, Agent.Status.DRAINING],
-                                         lease_deadline__isnull=True)
-                    .order_by().values_list("pk", "lease_expires_at"))
-                LeaseDeadline.objects.bulk_create(
-                    [LeaseDeadline(agent_id=pk, expires_at=at) for pk, at in missing],
-                    ignore_conflicts=True, batch_size=5000)
-            return len(missing)
-        except IntegrityError:  # one of them deregistered meanwhile: read again
-            if attempt == 2:
-                raise
-    return 0
+    hand-made fix in SQL), which the sweep would otherwise never reach. Returns how many.
+
+    The agents are locked first, as every service that writes a deadline locks its agent
+    first; one held right now (a registration, a deregistration) is left for the next run."""
+    with transaction.atomic():
+        missing = list(
+            Agent.objects.select_for_update(skip_locked=True, of=("self",))
+            .filter(status__in=[Agent.Status.ONLINE, Agent.Status.DRAINING],
+                    lease_deadline__isnull=True)
+            .order_by().values_list("pk", "lease_expires_at"))
+        LeaseDeadline.objects.bulk_create(
+            [LeaseDeadline(agent_id=pk, expires_at=at) for pk, at in missing], batch_size=5000)
+    return len(missing)
 
 
 def _lease(agent: Agent, *, created: bool) -> Lease:
@@ -582,11 +579,11 @@ def leases_expire(*, now: datetime | None = None, batch: int = 20_000,
         # The threads borrow from this process's pool: give this thread's connection back
         # first, and never ask for more than the pool holds.
         connection.close()
-        pool = connection.settings_dict["OPTIONS"].get("pool")
-        if isinstance(pool, dict) and pool.get("max_size"):
-            spread = min(spread, pool["max_size"])
-        with ThreadPoolExecutor(spread, thread_name_prefix="lease-sweep") as pool:
-            runs = list(pool.map(lambda _: _batches_run_apart(
+        db_pool = connection.settings_dict["OPTIONS"].get("pool")
+        if isinstance(db_pool, dict) and db_pool.get("max_size"):
+            spread = min(spread, db_pool["max_size"])
+        with ThreadPoolExecutor(spread, thread_name_prefix="lease-sweep") as threads:
+            runs = list(threads.map(lambda _: _batches_run_apart(
                 now=now, batch=batch, max_batches=max_batches), range(spread)))
     return ExpiryCounts(offline=sum(run[0] for run in runs),
                         removed=sum(run[1] for run in runs))

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import threading
+
 import pytest
+from django.db import connection, connections, transaction
 
 from reachconsole.core.audit import AuditEntry
 from roster import services
@@ -257,6 +260,37 @@ def test_a_renewal_that_ends_the_lease_earlier_moves_the_deadline(now, settings,
         services.heartbeat_record(node_id="node-a", agents=[{"agentId": "fin.tax"}], now=at)
     assert deadline("fin.tax") == later(now, 1010)
     assert services.leases_expire(now=later(now, 1011)).offline == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="row locks are PostgreSQL's")
+def test_the_repair_leaves_an_agent_held_right_now_to_its_next_run(now):
+    """The repair locks an agent before it writes the deadline, as the services do, and
+    skips one that is held (a registration under way): it never waits on it, so the two
+    cannot deadlock."""
+    register("fin.tax", now=now)
+    LeaseDeadline.objects.all().delete()
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        try:
+            with transaction.atomic():
+                Agent.objects.select_for_update().get(agent_id="fin.tax")
+                held.set()
+                release.wait(10)
+        finally:
+            connections.close_all()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        assert services.lease_deadlines_repair() == 0
+    finally:
+        release.set()
+        holder.join(10)
+    assert services.lease_deadlines_repair() == 1
+    assert deadline("fin.tax") == Agent.objects.get().lease_expires_at
 
 
 def test_a_deadline_left_on_an_agent_that_is_not_live_is_dropped(now, settings):
