@@ -81,12 +81,17 @@ class Deltas:
 
 @dataclass
 class AgentCapacity:
-    max_inflight: int
+    # None: the agent has no limit right now, being off the roster since it was resolved
+    # (a deregistration between the two). Its work goes out as resolved, and is counted.
+    max_inflight: int | None
     inflight: int = 0
     held: int = 0
 
     def decide(self) -> str:
         """'publish', 'hold' or 'busy' for one more message, and count it."""
+        if self.max_inflight is None:
+            self.inflight += 1
+            return "publish"
         if self.inflight < self.max_inflight and not self.held:
             self.inflight += 1
             return "publish"
@@ -101,21 +106,15 @@ class Capacities:
 
     def __init__(self, loads: dict[str, AgentLoad], limits: dict[str, int]):
         self.loads = loads
-        self.agents = {agent_id: AgentCapacity(max_inflight=limits.get(agent_id) or 1,
-                                               inflight=load.inflight, held=load.held)
-                       for agent_id, load in loads.items() if agent_id in limits}
-        # Published to agents that have no limit right now: off the roster since they were
-        # resolved (a deregistration between the two). Sent as resolved, and still counted,
-        # or the kept count falls behind the rows until loads_reconcile.
-        self.unlimited: dict[str, int] = {}
+        self.agents = {
+            agent_id: AgentCapacity(
+                max_inflight=(limits[agent_id] or 1) if agent_id in limits else None,
+                inflight=load.inflight, held=load.held)
+            for agent_id, load in loads.items()}
 
     def decide(self, agent_id: str) -> str:
         capacity = self.agents.get(agent_id)
-        if capacity is not None:
-            return capacity.decide()
-        if agent_id in self.loads:
-            self.unlimited[agent_id] = self.unlimited.get(agent_id, 0) + 1
-        return "publish"
+        return capacity.decide() if capacity else "publish"
 
     def write(self) -> None:
         for agent_id in sorted(self.agents):
@@ -124,10 +123,6 @@ class Capacities:
                 AgentLoad.objects.filter(pk=load.pk).update(inflight=capacity.inflight,
                                                             held=capacity.held)
                 load.inflight, load.held = capacity.inflight, capacity.held
-        for agent_id in sorted(self.unlimited):
-            load = self.loads[agent_id]
-            load.inflight += self.unlimited.pop(agent_id)
-            AgentLoad.objects.filter(pk=load.pk).update(inflight=load.inflight)
 
 
 def loads_lock(agent_ids: Iterable[str]) -> Capacities:
@@ -192,8 +187,8 @@ def held_release(*, agent_ids: Iterable[str], now: datetime) -> tuple[list[int],
                         for pk in held.values_list("pk", flat=True)]
             continue
         capacity = capacities.agents.get(agent_id)
-        if capacity is None:
-            continue  # (re-)registered since its limit was read: the next release sees it
+        if capacity is None or capacity.max_inflight is None:
+            continue  # off the roster when its limit was read: the next release sees it
         free = capacity.max_inflight - capacity.inflight
         if free <= 0:
             continue
