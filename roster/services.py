@@ -357,8 +357,9 @@ def agent_renew(
                 detail=f"heartbeat from {node_id}, but the roster places it on {holder}",
             )
         else:
-            earlier = now + _lease_ttl() < agent.lease_expires_at
-            agent.lease_expires_at = now + _lease_ttl()
+            lease_end = now + _lease_ttl()
+            earlier = lease_end < agent.lease_expires_at
+            agent.lease_expires_at = lease_end
             agent.last_heartbeat_at = now
             if inflight is not None:
                 agent.inflight = max(0, int(inflight))
@@ -841,6 +842,7 @@ def heartbeat_record(
         )
         renewed, conflicts, revived, events = [], [], [], []
         earlier: dict[int, Agent] = {}  # by primary key: once each
+        lease_end = now + _lease_ttl()
         for agent in rows:
             if agent.node_id != node.pk:
                 conflicts.append(agent.agent_id)
@@ -851,9 +853,9 @@ def heartbeat_record(
                 ))
                 continue
             load = loads[agent.agent_id]
-            if now + _lease_ttl() < agent.lease_expires_at:
+            if lease_end < agent.lease_expires_at:
                 earlier[agent.pk] = agent  # the deadline may now be later than the lease's end
-            agent.lease_expires_at = now + _lease_ttl()
+            agent.lease_expires_at = lease_end
             agent.last_heartbeat_at = now
             agent.inflight = _non_negative(load.get("inflight"), agent.inflight)
             agent.queue_depth = _non_negative(load.get("queueDepth"), agent.queue_depth)
