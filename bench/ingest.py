@@ -50,6 +50,7 @@ TABLE_BASELINE = "bench_baseline_message"
 GOAL_RATIO = 0.85
 GOAL_P99_MS = 100.0
 GOAL_RATE = 1000
+LEDGER_GOAL = 0.95
 BASELINE_BATCH = 500
 BASELINE_FLUSH_S = 0.020
 MOSQUITTO_LOG = Path("/var/log/mosquitto/mosquitto.log")
@@ -71,8 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=10.0, help="paced mode length, s")
     ap.add_argument("--mode", choices=("burst", "paced", "all"), default=None,
                     help="default: all, or paced when --rate is given")
-    ap.add_argument("--only", choices=("console", "baseline"), default=None,
+    ap.add_argument("--only", choices=("console", "baseline", "bare"), default=None,
                     help="run one side only")
+    ap.add_argument("--ledger", action="store_true",
+                    help="also run the console with its ledger switched off in this process "
+                         "(side 'bare': no tasks, no per-bucket numbers kept), to measure what "
+                         "keeping them costs against the same run's console")
     ap.add_argument("--baseline-sql", choices=("copy", "executemany", "values"), default="copy",
                     help="baseline's batched write: COPY of the raw text with the columns "
                          "extracted in SQL (default, the strongest), or the JSON parsed in "
@@ -116,8 +121,10 @@ def tables_prepare(conn: psycopg.Connection) -> dict[str, Any]:
 
 
 def table_truncate(conn: psycopg.Connection, table: str) -> None:
-    # CASCADE: a2a_transition references a2a_message.
-    conn.execute(f"TRUNCATE {table} CASCADE")
+    # CASCADE: a2a_transition references a2a_message. The console's tasks and numbers go
+    # with its messages, so every run starts from the same tables.
+    kept = ", a2a_task, a2a_rollup" if table == TABLE_CONSOLE else ""
+    conn.execute(f"TRUNCATE {table}{kept} CASCADE")
 
 
 def rows_count(conn: psycopg.Connection, table: str, run: str) -> int:
@@ -448,9 +455,11 @@ def run_once(side_name: str, mode: str, args: argparse.Namespace, conn: psycopg.
     n = args.messages if mode == "burst" else int(args.rate * args.duration)
     rate = 0.0 if mode == "burst" else float(args.rate)
     run = f"{tag}{side_name[0]}{mode[0]}"
-    side = (ConsoleSide(prefix, run, args.heartbeat_ms) if side_name == "console"
+    side = (ConsoleSide(prefix, run, args.heartbeat_ms) if side_name in ("console", "bare")
             else BaselineSide(prefix, run, args.baseline_sql, args.baseline_extra))
     table_truncate(conn, side.table)
+    if side_name == "bare":
+        _ledger_off()
     side.start()
     profiled = args.profile
     try:
@@ -471,9 +480,32 @@ def run_once(side_name: str, mode: str, args: argparse.Namespace, conn: psycopg.
             profile_print(spy, side_name, measured["rows"])
     finally:
         extra = side.stop()
+        _ledger_on()
     cpu["publisher"] = pub.get("cpu_s")
     return _result(side_name, mode, n, rate, pub, measured,
                    log_drops(offset, side.client_ids), profiled, {**extra, "cpu_s": cpu})
+
+
+_ledger_write = None
+
+
+def _ledger_off() -> None:
+    """The bench's own switch, never the console's: what the bridge does without keeping
+    tasks and numbers (messages/ledger.py), in this process only."""
+    global _ledger_write
+    from messages import ledger
+
+    _ledger_write = ledger.Ledger.write
+    ledger.Ledger.write = lambda self: None
+
+
+def _ledger_on() -> None:
+    global _ledger_write
+    if _ledger_write is not None:
+        from messages import ledger
+
+        ledger.Ledger.write = _ledger_write
+        _ledger_write = None
 
 
 def _result(side: str, mode: str, n: int, rate: float, pub: dict, m: dict,
@@ -564,6 +596,12 @@ def verdict(results: list[RunResult]) -> dict[str, Any]:
                    throughput_ratio=con_rate / base_rate,
                    console_lost=sum(r.lost for r in con), baseline_lost=sum(r.lost for r in base))
         out["throughput_met"] = con_rate / base_rate >= GOAL_RATIO and out["console_lost"] == 0
+    bare = pick("bare", "burst")
+    bare_rate = _median([r.rows_per_s for r in bare])
+    if con_rate and bare_rate:
+        # The ledger's goal: ingest with the tasks and numbers kept ≥ 95 % of without.
+        out.update(bare_rows_per_s=bare_rate, ledger_ratio=con_rate / bare_rate,
+                   ledger_met=con_rate / bare_rate >= LEDGER_GOAL)
     paced = [r for r in pick("console", "paced") if r.rate_target == GOAL_RATE]
     if paced:
         out["paced_p99_ms"] = _median([r.p99_ms for r in paced])
@@ -597,6 +635,11 @@ def print_report(results: list[RunResult], goals: dict[str, Any]) -> None:
               f"baseline {common.fmt(goals['baseline_rows_per_s'], 0)} rows/s (medians) = "
               f"{goals['throughput_ratio']:.0%}; messages lost by the console: "
               f"{goals['console_lost']:,} -> {_met(goals['throughput_met'])}")
+    if "ledger_ratio" in goals:
+        print(f"  ledger: console {common.fmt(goals['console_rows_per_s'], 0)} rows/s vs "
+              f"without its ledger {common.fmt(goals['bare_rows_per_s'], 0)} rows/s = "
+              f"{goals['ledger_ratio']:.0%} (goal >= {LEDGER_GOAL:.0%}) -> "
+              f"{_met(goals['ledger_met'])}")
     if "latency_met" in goals:
         print(f"  paced: console p99 = {common.fmt(goals['paced_p99_ms'])} ms (median), "
               f"lost {goals['paced_lost']:,} -> {_met(goals['latency_met'])}")
@@ -647,6 +690,8 @@ def measure(args: argparse.Namespace, tag: str) -> int:
     for mode in modes:
         for rep in range(args.repeat):
             sides = [args.only] if args.only else ["console", "baseline"]
+            if args.ledger and not args.only:
+                sides.append("bare")
             # Alternate who goes first: the box's background load drifts over a minute.
             for side in sides if rep % 2 == 0 else sides[::-1]:
                 print(f"... {side} {mode} ({rep + 1}/{args.repeat})", flush=True)
@@ -659,7 +704,8 @@ def measure(args: argparse.Namespace, tag: str) -> int:
     print_report(results, goals)
     path = common.write_result("ingest", _document(args, prefix, results, goals))
     print(f"\nresults: {path.relative_to(common.ROOT)}")
-    unmet = [k for k in ("throughput_met", "latency_met") if goals.get(k) is False]
+    unmet = [k for k in ("throughput_met", "latency_met", "ledger_met")
+             if goals.get(k) is False]
     return 2 if args.strict and unmet else 0
 
 

@@ -1,5 +1,6 @@
-"""`make bench`: check the services, then bench/resolve.py, layers.py, ingest.py,
-backpressure.py, leases.py, roster_pages.py, stream_latency.py, bridges.py and timeline.py.
+"""`make bench`: check the services, then bench/resolve.py, layers.py, ingest.py (with the
+console's ledger on and off in the same run), backpressure.py, leases.py, roster_pages.py,
+stream_latency.py, bridges.py, timeline.py and overview.py.
 
 Each bench runs in its own process (ingest.py sets Django up against the bench database;
 layers.py needs no database) and writes its JSON into bench/results/. A service that is not
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     resolve_env = {"DATABASE_URL": common.DATABASE_URL}
     os.environ.update(resolve_env)
     codes = [bench("resolve.py"), bench("layers.py"),
-             bench("ingest.py", *(["--strict"] if args.strict else []))]
+             bench("ingest.py", "--ledger", *(["--strict"] if args.strict else []))]
     codes.append(bench("backpressure.py", *(["--strict"] if args.strict else [])))
     codes.append(bench("leases.py", *(["--strict"] if args.strict else [])))
     codes.append(bench("roster_pages.py", *(["--strict"] if args.strict else [])))
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     codes.append(bench("bridges.py"))  # one bridge vs two (shared subscriptions)
     # Its own database (reachconsole_timeline_bench): loading 1,000,000 rows takes minutes.
     codes.append(bench("timeline.py", *(["--strict"] if args.strict else [])))
+    # Its own database (reachconsole_overview_bench): the overview and the stats at a
+    # thousand and at a million rows in their window.
+    codes.append(bench("overview.py", *(["--strict"] if args.strict else [])))
     if any(code == 1 or code < 0 for code in codes):
         print("\nBENCH FAILED: a bench did not run to the end (see above)", file=sys.stderr)
         return 1

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from asgiref.sync import sync_to_async
-from django.http import HttpRequest
-from ninja import Field, Router, Status
-from pydantic import BeforeValidator, ConfigDict
+from django.http import HttpRequest, HttpResponse
+from ninja import Field, Query, Router, Schema, Status
+from pydantic import AfterValidator, BeforeValidator, ConfigDict
 
 from directory.routing import namespace_of
-from messages.models import Message
+from messages.cancel import task_cancel
+from messages.ledger import AGENT, NODE
+from messages.models import DONE_STATUSES, FINAL_STATUSES, Direction, Message
+from messages.models import Status as TaskState
 from messages.outbound import (
     CAPABILITY_PREFIX,
     SendRefused,
@@ -23,8 +27,17 @@ from messages.outbound import (
     messages_send_group,
 )
 from messages.redact import redacted
+from messages.rollups import DEFAULT_WINDOW, WINDOWS, subject_stats, window_read
 from messages.rows import message_fields
-from messages.selectors import message_replies, task_attempts, task_requests, task_response
+from messages.selectors import (
+    FilterError,
+    MessageFilter,
+    message_replies,
+    task_attempts,
+    task_requests,
+    task_response,
+)
+from messages.taskbook import MAX_PAGE, task_entries, task_out, task_story, tasks_page
 from reachconsole.core.apidoc import BodyIn, JsonValue, json_int, refusals
 from reachconsole.core.errors import ApiError
 from roster.fields import AGENT_ID_INPUT_PATTERN, NAME, AgentIdInput, NodeId
@@ -32,6 +45,7 @@ from roster.models import NAME_RE
 from roster.services import agent_id_parse
 
 router = Router(tags=["a2a"])
+ops_router = Router(tags=["ops"])
 
 
 # What `to` may be: an agent id, `@mention`, `capability:name` or `#group`.
@@ -174,9 +188,6 @@ def _send(caller, body: SendIn) -> tuple[int, dict]:
     return (202 if row.status == "SENT" else 200), out
 
 
-FINAL = {"COMPLETED", "TASK_ERROR", "UNDELIVERABLE", "FAILED", "NACKED", "EXPIRED", "BUSY"}
-# A task answered with a response: by a node, or in-process by a console agent.
-ANSWERED = {"COMPLETED", "TASK_ERROR", "LOCAL_CONSUMED"}
 
 
 def _attempts(message_id: str) -> list[Message]:
@@ -196,7 +207,7 @@ def _attempts(message_id: str) -> list[Message]:
 def _task_outcome(message_id: str) -> dict | None:
     """The task's answer once it has one: its response, or how its last attempt ended."""
     attempts = _attempts(message_id)
-    answered = [m for m in attempts if m.status in ANSWERED]
+    answered = [m for m in attempts if m.status in DONE_STATUSES]
     if answered:
         row = answered[-1]
         out = message_out(row)
@@ -206,7 +217,7 @@ def _task_outcome(message_id: str) -> dict | None:
         out["response"] = response.payload if response else None
         return out
     last = attempts[-1] if attempts else None
-    if last is not None and last.status in FINAL:
+    if last is not None and last.status in FINAL_STATUSES:
         return message_out(last)
     return None
 
@@ -297,3 +308,150 @@ def resend(request: HttpRequest, message_id: str, body: ResendIn | None = None):
         out["warning"] = ("sent with a new idempotency key: the receiver will run the work "
                           "again even if it already ran it")
     return Status(202 if any(r.status == "SENT" for r in rows) else 200, out)
+
+
+# --- tasks: the unit an operator acts on (PROTOCOL.md, "Tasks, numbers and alarms") -------
+# A moment as the filters take it: minutes, hours or days back, or a UTC date-time. The
+# pattern keeps both within the calendar, so what it calls valid the filter reads.
+MOMENT_PATTERN = (r"^(\d{1,7}m?|\d{1,6}h|\d{1,5}d|(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|1\d|2[0-8])"
+                  r"(T([01]\d|2[0-3]):[0-5]\d(:[0-5]\d)?(Z|[+-](0\d|1[0-2]):[0-5]\d)?)?)?$")
+_MOMENT = re.compile(MOMENT_PATTERN)
+
+
+def _moment_check(value: str) -> str:
+    if value and not _MOMENT.match(value):
+        raise ValueError(f"{value[:40]!r} is neither minutes back (60), hours or days back "
+                         "(6h, 7d) nor a UTC date-time such as 2026-11-30T14:00")
+    return value
+
+
+# The pattern is in the document; the words are what a caller reads when it does not match.
+Moment = Annotated[str, AfterValidator(_moment_check),
+                   Field(max_length=40, json_schema_extra={"pattern": MOMENT_PATTERN})]
+TaskStatus = Literal[tuple(s for s in TaskState.values)]
+TaskDirection = Literal[tuple(Direction.values)]
+
+
+class TaskQuery(Schema):
+    status: list[TaskStatus] = Field(default_factory=list, description="repeatable")
+    agent: str = Field("", max_length=265, description="to or from")
+    node: str = Field("", max_length=128)
+    namespace: str = Field("", max_length=100)
+    since: Moment = Field("", description="minutes back (60), hours or days back (6h, 7d), "
+                          "or a UTC date-time (2026-11-30T14:00)")
+    until: Moment = ""
+    direction: TaskDirection | None = Field(None, description="SEND (the console's own), "
+                                            "RECV or OBSERVED (between other nodes)")
+    q: str = Field("", max_length=200, description="a task, conversation or message id")
+    before: int | None = Field(None, ge=1, le=2**62, description="the `cursor` of the last "
+                               "task of the previous page")
+    limit: int = Field(100, ge=1, le=MAX_PAGE)
+
+
+def _task_filter(query: TaskQuery) -> MessageFilter:
+    from django.http import QueryDict
+
+    get = QueryDict(mutable=True)
+    for status in query.status:
+        get.appendlist("status", status)
+    for name in ("agent", "node", "namespace", "since", "until", "direction", "q"):
+        # Every value reached here through the schema; the filter reads it as the page does.
+        value = getattr(query, name)
+        if value:
+            get[name] = value
+    return MessageFilter.from_query(get)
+
+
+@router.get("/tasks", response={200: list[dict], **refusals()})
+def tasks_list(request: HttpRequest, response: HttpResponse, query: Query[TaskQuery]):
+    """Tasks newest first (by first transmission), keyset paged: pass the last entry's
+    `cursor` as `before` for the next page (also in the `Link` header, rel="next"). A
+    window whose `since` is later than its `until` holds nothing: an empty list."""
+    try:
+        flt = _task_filter(query)
+    except FilterError as exc:
+        if exc.code == "empty_window":
+            return Status(200, [])
+        raise ApiError(422, "bad_filter", exc.detail) from None
+    page = tasks_page(flt, before=query.before, limit=query.limit,
+                      namespaces=request.auth.token.namespaces)
+    if page.older is not None:
+        params = request.GET.copy()
+        params["before"] = str(page.older)
+        response["Link"] = f'<{request.path}?{params.urlencode()}>; rel="next"'
+    return Status(200, [task_out(t) for t in page.rows])
+
+
+def _one_task(request: HttpRequest, task_id: str):
+    entries = task_entries(task_id, namespaces=request.auth.token.namespaces)
+    if not entries:
+        raise ApiError(404, "task_not_found", f"no task {task_id[:200]} is recorded"
+                       + ("" if request.auth.token.namespaces is None
+                          else " in the namespaces this token is bound to"))
+    return entries
+
+
+@router.get("/tasks/{task_id}", response={200: dict, **refusals(404)})
+def task_detail(request: HttpRequest, task_id: str):
+    """The task's entry and `messages`: every row of the task, oldest first. A task id with
+    several entries (a group send's members, or the same id seen in two directions) answers
+    the console's own first and lists the others in `others`."""
+    entries = _one_task(request, task_id)
+    story = task_story(entries[0])
+    out = task_out(entries[0])
+    out["messages"] = [message_out(m) for m in story.messages]
+    out["messagesTruncated"] = story.more
+    out["others"] = [task_out(t) for t in entries[1:]]
+    return Status(200, out)
+
+
+class CancelIn(BodyIn):
+    reason: str = Field("", max_length=500)
+    member: str | None = Field(None, max_length=265,
+                               description="one member of a group send (default: all)")
+
+
+@router.post("/tasks/{task_id}/cancel",
+             response={200: dict, **refusals(403, 404, 409, body=True)})
+def task_cancel_api(request: HttpRequest, task_id: str, body: CancelIn | None = None):
+    """Every open transmission of the task ends CANCELED; nodes that may have it are sent
+    CANCEL. 409 when the task is already final."""
+    body = body or CancelIn()
+    done = task_cancel(task_id=task_id, by=request.auth.label, reason=body.reason,
+                       member=body.member, within=request.auth.token.namespaces)
+    entries = task_entries(task_id)
+    out = task_out(entries[0]) if entries else {"taskId": task_id}
+    out["canceled"] = [{"messageId": m, "was": was} for m, was in sorted(done.was.items())]
+    out["cancelSentTo"] = sorted(set(done.told))
+    return Status(200, out)
+
+
+# --- numbers per agent and node (kept at write time: messages/ledger.py) ------------------
+class StatsQuery(Schema):
+    window: Literal[tuple(WINDOWS)] = Field(DEFAULT_WINDOW, description="the last 5 minutes to "
+                                            "24 hours")
+
+
+@ops_router.get("/agents/{agent_id}/stats", response={200: dict, **refusals(400, 403)})
+def agent_stats(request: HttpRequest, agent_id: str, query: Query[StatsQuery]):
+    """Tasks sent to the agent in the window and what became of them, with publish → ACK
+    and sent → answered percentiles (from histograms: see the bounds)."""
+    window = window_read(query.window)
+    namespace = namespace_of(agent_id)
+    if namespace is not None:
+        request.auth.require_namespace(namespace)
+    out = subject_stats(scope=AGENT, subject=agent_id, window=window).as_json()
+    out["agentId"] = agent_id
+    return Status(200, out)
+
+
+@ops_router.get("/nodes/{node_id}/stats", response={200: dict, **refusals(400, 403)})
+def node_stats(request: HttpRequest, node_id: str, query: Query[StatsQuery]):
+    """The same numbers for every task sent to agents on the node."""
+    window = window_read(query.window)
+    if request.auth.token.namespaces is not None:
+        raise ApiError(403, "namespace_forbidden", "a node's numbers span namespaces: a token "
+                       "bound to namespaces reads its agents' numbers instead")
+    out = subject_stats(scope=NODE, subject=node_id, window=window).as_json()
+    out["nodeId"] = node_id
+    return Status(200, out)

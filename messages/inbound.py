@@ -51,10 +51,10 @@ from roster.services import agent_id_parse, agents_drain_for_node, heartbeat_rec
 log = logging.getLogger(__name__)
 MT = protocol.MessageType
 # What the console answers when it is asked (and acknowledges as a duplicate when repeated).
-REQUESTS = frozenset({MT.TASK_REQUEST, MT.DRAIN})
+REQUESTS = frozenset({MT.TASK_REQUEST, MT.DRAIN, MT.CANCEL})
 
 # An answered transmission leaves the ack-deadline index (the sweep costs what is due).
-ANSWERED = {"ack_deadline_at": None}
+ANSWERED_FIELDS = {"ack_deadline_at": None}
 _last_logged: dict[str, float] = {}
 
 
@@ -253,7 +253,7 @@ def _retry_retryable_nacks(changes: list[Change], *, now: datetime) -> None:
         change = retryable[row.message_id]
         if status:
             change.to = status
-            change.fields = {"error": change.fields["error"], **ANSWERED, **fields}
+            change.fields = {"error": change.fields["error"], **ANSWERED_FIELDS, **fields}
             change.reason = f"{change.reason}; {why}"
         else:
             change.reason = f"{change.reason}; no retry: {why}"
@@ -322,28 +322,28 @@ def _act(row: ReceivedRow, acts: _Acts) -> None:
         acts.answer(row, Change(message_id=ack_for, to=Status.ACKED,
                                 reason="ACK" + (" (duplicate)" if payload.get("duplicate")
                                                 else ""),
-                                actor="bridge", fields={"acked_at": now, **ANSWERED}))
+                                actor="bridge", fields={"acked_at": now, **ANSWERED_FIELDS}))
     elif kind == MT.NACK and ack_for:
         reason = str(payload.get("reason") or "refused by the receiver")[:2000]
         retry = "retryable" if payload.get("retryable") is True else "not retryable"
         error = f"{row.from_agent_id or 'the receiver'} refused it ({retry}): {reason}"
         nacked = Change(message_id=ack_for, to=Status.NACKED,
                         reason=f"NACK ({retry}): {reason}", actor="bridge",
-                        fields={"error": error, "finished_at": now, **ANSWERED})
+                        fields={"error": error, "finished_at": now, **ANSWERED_FIELDS})
         nacked.retryable = retry == "retryable"
         acts.answer(row, nacked)
     elif kind == MT.BUSY and ack_for:
         acts.answer(row, Change(message_id=ack_for, to=Status.BUSY,
                                 reason="BUSY: the receiver's queue is full", actor="bridge",
                                 fields={"error": "the receiver's queue was full (BUSY)",
-                                        **ANSWERED}))
+                                        **ANSWERED_FIELDS}))
     elif kind == MT.TASK_RESPONSE and row.in_reply_to:
         ok = payload.get("ok", True) is not False
         error = "" if ok else f"the task failed: {str(redacted(payload.get('error')))[:2000]}"
         acts.answer(row, Change(message_id=row.in_reply_to,
                                 to=Status.COMPLETED if ok else Status.TASK_ERROR,
                                 reason="TASK_RESPONSE", actor="bridge",
-                                fields={"finished_at": now, "error": error, **ANSWERED}))
+                                fields={"finished_at": now, "error": error, **ANSWERED_FIELDS}))
         if row.direction == Direction.RECV:
             acts.responses.append(row)
     elif kind in REQUESTS and row.direction == Direction.RECV:
@@ -351,6 +351,8 @@ def _act(row: ReceivedRow, acts: _Acts) -> None:
             _refuse(row, NO_REPLY_NODE, acts)
         elif kind == MT.TASK_REQUEST:
             _request_to_console(row, acts)
+        elif kind == MT.CANCEL:
+            _cancel_to_console(row, acts)
         else:
             _drain_answer(row, acts)
 
@@ -383,23 +385,44 @@ def _request_to_console(row: ReceivedRow, acts: _Acts) -> None:
                 f"{row.to_agent_id or '(none named)'}", acts)
         return
     now = acts.now
-    # Consumed here and only here: this row was just inserted, so no other path has it.
-    acts.changes.append(Change(pk=row.pk, to=Status.LOCAL_CONSUMED,
-                               allowed=frozenset({Status.RECV}), reason="handled by the console",
-                               actor="bridge", fields={"finished_at": now}))
     ack = reply_row(to=row, message_type=MT.ACK, payload={}, now=now,
                     extra_headers={"ackFor": row.message_id})
+    fields: dict = {"finished_at": now}
     try:
         response_payload = {"ok": True, "result": handler(row.wire_payload)}
     except Exception as exc:  # a handler's failure is the task's answer, not the bridge's
         log.exception("local handler %s failed", row.to_agent_id, extra=row_log_fields(row))
         response_payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        # On the request too: its task's outcome is TASK_ERROR, with the words.
+        fields["error"] = f"the task failed: {response_payload['error']}"[:2000]
+    # Consumed here and only here: this row was just inserted, so no other path has it.
+    acts.changes.append(Change(pk=row.pk, to=Status.LOCAL_CONSUMED,
+                               allowed=frozenset({Status.RECV}), reason="handled by the console",
+                               actor="bridge", fields=fields))
     # The response waits in the outbox until the broker has taken the ACK (the bridge makes
     # it due then): the requester hears ACK, then TASK_RESPONSE, whichever bridge publishes
     # which (PROTOCOL.md: ACK when accepted, then TASK_RESPONSE).
     response = reply_row(to=row, message_type=MT.TASK_RESPONSE, payload=response_payload,
                          now=now, extra_headers={"inReplyTo": row.message_id}, due=ack is None)
     acts.replies += [r for r in (ack, response) if r]
+
+
+def _cancel_to_console(row: ReceivedRow, acts: _Acts) -> None:
+    """A CANCEL for a task of the console's own agents: they answer in-process as a request
+    arrives, so nothing of it is still running to stop. Answered ACK, saying so
+    (PROTOCOL.md: a receiver that knows the type answers ACK)."""
+    headers = row.headers or {}
+    task_id = headers.get("cancelFor") if isinstance(headers.get("cancelFor"), str) else ""
+    words = (f"nothing to stop: the console's agents answer at once, so no work of task "
+             f"{task_id[:200] or '(none named)'} is running here")
+    ack = reply_row(to=row, message_type=MT.ACK, now=acts.now,
+                    extra_headers={"ackFor": row.message_id},
+                    payload={"cancelFor": task_id or None, "stopped": False, "detail": words})
+    if ack:
+        acts.replies.append(ack)
+    acts.changes.append(Change(pk=row.pk, to=Status.LOCAL_CONSUMED,
+                               allowed=frozenset({Status.RECV}), actor="bridge",
+                               reason=f"CANCEL: {words}", fields={"finished_at": acts.now}))
 
 
 # --- DRAIN: a node asks the console to drain agents it hosts -------------------------------

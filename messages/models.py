@@ -29,6 +29,7 @@ class Status(models.TextChoices):
     EXPIRED = "EXPIRED", "no acknowledgement in time"
     RETRYING = "RETRYING", "no answer; a new attempt is due"
     RETRIED = "RETRIED", "closed: a new attempt replaced it"
+    CANCELED = "CANCELED", "canceled by an operator; nothing more is sent for it"
     RECV = "RECV", "received"
     OBSERVED = "OBSERVED", "observed on the bus"
 
@@ -36,12 +37,24 @@ class Status(models.TextChoices):
 FAILURE_STATUSES = frozenset(
     {Status.UNDELIVERABLE, Status.FAILED, Status.NACKED, Status.EXPIRED, Status.TASK_ERROR}
 )
+# A request in one of these has had its answer from the receiver.
+ANSWERED_STATUSES = frozenset({Status.ACKED, Status.NACKED, Status.BUSY, Status.COMPLETED,
+                               Status.TASK_ERROR})
+# The work of a task is done: a response came (or a console agent answered in-process).
+DONE_STATUSES = frozenset({Status.COMPLETED, Status.TASK_ERROR, Status.LOCAL_CONSUMED})
 # A send is still "in flight" while the receiver has not answered it.
 INFLIGHT_STATUSES = frozenset({Status.SENT, Status.PUBLISHED})
 # A task request in one of these has not ended yet: its task deadline (`deadline_at`) ends
 # it at the latest (messages/sweeps.py). An answer of ours is done once the broker has it
 # (PUBLISHED, or ACKED by its receiver before our PUBACK was recorded).
 OPEN_STATUSES = frozenset({Status.SENT, Status.PUBLISHED, Status.ACKED, Status.RETRYING})
+# A request seen between other nodes that has not had its final answer on the bus: its
+# deadline (timeoutMs) ends it EXPIRED too, but the console never acts on it.
+OBSERVED_OPEN_STATUSES = frozenset({Status.OBSERVED, Status.ACKED})
+# What an operator may cancel: nothing more is transmitted for these.
+CANCELABLE_STATUSES = OPEN_STATUSES
+# Every status a row never leaves on its own (a late response may still complete some).
+FINAL_STATUSES = frozenset(set(Status.values) - OPEN_STATUSES - {Status.RECV, Status.OBSERVED})
 # What an operator may send again.
 RESENDABLE_STATUSES = frozenset(
     {Status.UNDELIVERABLE, Status.FAILED, Status.NACKED, Status.EXPIRED, Status.TASK_ERROR,
@@ -67,7 +80,11 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     Status.COMPLETED: _COMPLETED_FROM,
     Status.TASK_ERROR: _COMPLETED_FROM,
     Status.RETRIED: frozenset({Status.RETRYING}),  # a new attempt replaced it
-    Status.EXPIRED: OPEN_STATUSES,  # the task's deadline, or the attempts, ran out
+    # The task's deadline, or the attempts, ran out; or no answer was seen on the bus for a
+    # request between other nodes.
+    Status.EXPIRED: OPEN_STATUSES | {Status.OBSERVED},
+    # An operator's cancel: a late answer is recorded on its own row and changes nothing.
+    Status.CANCELED: CANCELABLE_STATUSES,
     Status.FAILED: frozenset({Status.SENT}),  # never published
     Status.UNDELIVERABLE: frozenset({Status.SENT, Status.RETRYING}),
     Status.LOCAL_CONSUMED: frozenset({Status.SENT, Status.RECV}),
@@ -146,10 +163,12 @@ class Message(models.Model):
             models.Index(fields=["next_attempt_at"], name="a2a_retry_due",
                          condition=Q(status="RETRYING")),
             models.Index(fields=["deadline_at"], name="a2a_open_deadline",
-                         condition=Q(status__in=["SENT", "PUBLISHED", "ACKED", "RETRYING"],
+                         condition=Q(status__in=["SENT", "PUBLISHED", "ACKED", "RETRYING",
+                                                 "OBSERVED"],
                                      deadline_at__isnull=False)),
         ]
-        permissions = [("resend_message", "Can resend a message from the console")]
+        permissions = [("resend_message", "Can resend a message from the console"),
+                       ("cancel_task", "Can cancel a task from the console")]
 
     def __str__(self) -> str:
         return f"{self.message_type} {self.message_id} {self.status}"
@@ -241,3 +260,93 @@ class AgentLoad(models.Model):
 
     def __str__(self) -> str:
         return f"{self.agent_id}: {self.inflight} in flight, {self.held} held"
+
+
+class Task(models.Model):
+    """One task as ops staff think of it: all transmissions of one `taskId` (retries,
+    resends, reroutes) in one direction, with one outcome. Kept in the same transaction as
+    the rows it sums (messages/ledger.py), so the task list is a keyset read however many
+    attempts and answers its tasks had. A group send is a task per member (`member`)."""
+
+    direction = models.CharField(max_length=8, choices=Direction.choices)
+    task_id = models.CharField(max_length=200)
+    # The group member this copy of a group send went to; "" for every other task.
+    member = models.CharField(max_length=265, blank=True, default="")
+    # The outcome: the status of its last attempt, or once answered COMPLETED / TASK_ERROR,
+    # or CANCELED after a cancel.
+    status = models.CharField(max_length=16, choices=Status.choices)
+    to_agent_id = models.CharField(max_length=265, blank=True)
+    from_agent_id = models.CharField(max_length=265, blank=True)
+    target_node_id = models.CharField(max_length=128, blank=True)
+    conversation_id = models.CharField(max_length=200, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    # When its first transmission was written (sent, or seen on the bus).
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    # The node whose answer gave the outcome.
+    answered_by = models.CharField(max_length=128, blank=True)
+    last_message_id = models.CharField(max_length=200, blank=True)
+
+    class Meta:
+        db_table = "a2a_task"
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            # The upsert's key, task id first: it also finds every direction and member of
+            # one task id (GET /api/a2a/tasks/{taskId}).
+            models.UniqueConstraint(fields=["task_id", "direction", "member"],
+                                    name="a2a_task_key"),
+        ]
+        indexes = [
+            # The task list is the timeline's twin: each filter is read in its order,
+            # (created_at, id), to the page size (messages/taskbook.py). An agent is walked
+            # as receiver and as sender apart; a node, a namespace or a direction walks the
+            # timeline (as the message timeline does): each index is paid on every write.
+            models.Index(fields=["created_at", "id"], name="a2a_task_timeline"),
+            models.Index(fields=["status", "created_at", "id"], name="a2a_task_status"),
+            models.Index(fields=["to_agent_id", "created_at", "id"], name="a2a_task_to"),
+            models.Index(fields=["from_agent_id", "created_at", "id"], name="a2a_task_from"),
+        ]
+
+    def __str__(self) -> str:
+        return f"task {self.task_id} {self.status}"
+
+    @property
+    def duration_ms(self) -> int | None:
+        if self.finished_at is None:
+            return None
+        return max(0, round((self.finished_at - self.created_at).total_seconds() * 1000))
+
+
+class Rollup(models.Model):
+    """A count added to one bucket of time for one subject: the numbers the overview, the
+    stats and the alarms read (messages/rollups.py), kept as rows are written instead of
+    counted from a window of rows.
+
+    Rows are only ever inserted by writers (one per key and transaction: no row is updated
+    by two writers, so counting takes no lock and cannot deadlock) and folded by beat into
+    one row per key (`folded`). A reader sums whatever rows a key has."""
+
+    step = models.PositiveIntegerField()  # the bucket's width in seconds
+    bucket = models.BigIntegerField()  # epoch seconds // step
+    scope = models.CharField(max_length=1)  # "*" the whole console, "a" an agent, "n" a node
+    subject = models.CharField(max_length=265, blank=True)
+    metric = models.CharField(max_length=32)
+    n = models.BigIntegerField()
+    folded = models.BooleanField(default=False)
+
+    class Meta:
+        db_table = "a2a_rollup"
+        indexes = [
+            # One subject's window: stats and the agent page.
+            models.Index(fields=["step", "scope", "subject", "bucket"], name="a2a_rollup_subject"),
+            # Every subject of a scope in a window (the roster's columns, the alarms) and
+            # retention by age.
+            models.Index(fields=["step", "scope", "bucket"], name="a2a_rollup_scope"),
+            # What the fold has not folded yet.
+            models.Index(fields=["id"], name="a2a_rollup_unfolded", condition=Q(folded=False)),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.scope}:{self.subject} {self.metric}@{self.bucket}×{self.step}s = {self.n}"

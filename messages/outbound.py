@@ -3,7 +3,6 @@ outbox (messages/outbox.py) for a bridge to claim. PROTOCOL.md "Outbound state m
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 import uuid
@@ -20,6 +19,7 @@ from messages import protocol
 from messages.delivery import busy_reason, storm_refusal, transmissions_in_window
 from messages.events import events_on_commit, message_events
 from messages.handlers import LOCAL_HANDLERS
+from messages.ledger import Ledger, group_member_key
 from messages.load import Capacities, loads_lock, loads_of, task_locks
 from messages.models import (
     RESENDABLE_STATUSES,
@@ -254,9 +254,14 @@ def _send_prepared(prepared: list[tuple[Message, Resolution]], *, actor: str, by
     Transition.objects.bulk_create(firsts)
     # The agents' load rows last, all at once: held from here to the commit only.
     capacities = loads_lock(res.agent_id for _, res in prepared if res.ok and not res.local)
+    ledger = Ledger()
     for row, resolution in prepared:
-        events += _dispatch(row, resolution, capacities, actor=actor, now=now, publish=publish)
+        events += _dispatch(row, resolution, capacities, actor=actor, now=now, publish=publish,
+                            ledger=ledger)
     capacities.write()
+    # Counted as they were routed (held, BUSY, UNDELIVERABLE…), after the load rows.
+    ledger.inserted(rows)
+    ledger.write()
     return rows, publish, events
 
 
@@ -273,12 +278,12 @@ def _request_row(request: SendRequest, *, to_agent_id: str, now: datetime) -> Me
 
 
 def _dispatch(row: Message, resolution: Resolution, capacities: Capacities, *, actor: str,
-              now: datetime, publish: list[int]) -> list[dict]:
+              now: datetime, publish: list[int], ledger: Ledger) -> list[dict]:
     """Move a fresh SENT row on: consumed here, undeliverable, BUSY, held, or published."""
     # However it was reached (id, capability, mention), a console agent answers in-process.
     if resolution.local or (resolution.ok and is_local_agent(resolution.agent_id)
                             and resolution.node_id == settings.REACH_NODE_ID):
-        return _consume_locally(row, now=now, actor=actor)
+        return _consume_locally(row, now=now, actor=actor, ledger=ledger)
     if not resolution.ok:
         reason = undeliverable_reason(resolution)
         _warn_once(row, resolution.reason)
@@ -322,7 +327,7 @@ def messages_send_group(*, group: str, request: SendRequest, actor: str = "api",
                                          outcome="not_found")))
     for member in live:
         # Each member executes its own copy: its own idempotency key within the task.
-        member_key = _member_key(task_id, member.agent_id)
+        member_key = group_member_key(task_id, member.agent_id)
         row = _request_row(replace(request, task_id=task_id, idempotency_key=member_key),
                            to_agent_id=member.agent_id, now=now)
         row.resolution = {"target": label, "level": "group", "reason": f"member of {label}",
@@ -330,13 +335,6 @@ def messages_send_group(*, group: str, request: SendRequest, actor: str = "api",
         prepared.append((row, Resolution(member.agent_id, member.node_id, "group", "member",
                                          [member])))
     return atomic_retrying(lambda: _send_and_publish(prepared, actor=actor, by=by, now=now))
-
-
-def _member_key(base: str, agent_id: str) -> str:
-    key = f"{base}:{agent_id}"
-    if len(key) > 200:  # the column's size; a digest keeps it unique per member
-        key = f"{base[:100]}:{hashlib.sha256(key.encode()).hexdigest()}"
-    return key
 
 
 @dataclass
@@ -444,19 +442,23 @@ def _move(row: Message, to: str, *, reason: str, actor: str, now: datetime,
     return message_events(row, previous=previous, reason=reason)
 
 
-def _consume_locally(row: Message, *, now: datetime, actor: str) -> list[dict]:
+def _consume_locally(row: Message, *, now: datetime, actor: str, ledger: Ledger) -> list[dict]:
     """The console's own agents answer in-process: the request is consumed once, here."""
     handler = LOCAL_HANDLERS[row.to_agent_id]
     row.target_node_id = settings.REACH_NODE_ID
-    events = _move(row, Status.LOCAL_CONSUMED, reason="handled by the console", actor=actor,
-                   now=now, finished_at=now, target_node_id=row.target_node_id)
+    error = ""
     try:
         payload = {"ok": True, "result": handler(row.payload)}
     except Exception as exc:  # a handler's failure is the task's answer, not the sender's
         log.exception("local handler %s failed", row.to_agent_id)
         payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        # On the request too: its task's outcome is TASK_ERROR, with the words.
+        error = f"the task failed: {payload['error']}"[:2000]
+    events = _move(row, Status.LOCAL_CONSUMED, reason="handled by the console", actor=actor,
+                   now=now, finished_at=now, target_node_id=row.target_node_id, error=error)
     response = local_response_row(request=row, payload=payload, now=now)
     response.save(force_insert=True)
+    ledger.inserted([response])
     return events + message_events(response, previous="")
 
 
@@ -562,7 +564,7 @@ def _requests_again(previous: Message, *, new_idempotency_key: bool,
                           "no member that can take work: register or wake a member first",
                           code="no_member", status=409)
     base = key if new_idempotency_key else previous.task_id
-    return [replace(request, to=m.agent_id, idempotency_key=_member_key(base, m.agent_id))
+    return [replace(request, to=m.agent_id, idempotency_key=group_member_key(base, m.agent_id))
             for m in members]
 
 

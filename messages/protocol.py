@@ -41,6 +41,9 @@ class MessageType(enum.StrEnum):
     EVENT = "EVENT"
     HEARTBEAT = "HEARTBEAT"
     DRAIN = "DRAIN"
+    # The console asks a node to stop a task it sent (headers.cancelFor = the taskId);
+    # optional for receivers: one that does not know it ignores it.
+    CANCEL = "CANCEL"
 
 
 class Reject(enum.StrEnum):

@@ -34,12 +34,18 @@ def envelope_from_row(message: Message) -> protocol.Envelope:
     )
 
 
+# A task's deadline when its request names no timeoutMs, and the longest the console keeps
+# one open (the API's own bound on timeoutMs).
+DEFAULT_TIMEOUT_MS = 30000
+MAX_TIMEOUT_MS = 86_400_000
+
+
 def request_row(*, request: Any, to_agent_id: str, now: datetime) -> Message:
     """A TASK_REQUEST of ours (a messages.outbound.SendRequest), SENT, not yet routed."""
     node_id = settings.REACH_NODE_ID
     message_id = str(uuid.uuid4())
     task_id = request.task_id or f"task-{message_id}"
-    timeout_ms = request.timeout_ms or 30000
+    timeout_ms = request.timeout_ms or DEFAULT_TIMEOUT_MS
     headers = {
         "replyNodeId": node_id,
         "originNodeId": node_id,
@@ -86,6 +92,26 @@ def reply_row(*, to: Any, message_type: str, payload: Any, now: datetime,
         # Due in the outbox now; an answer the broker has not taken within the idempotency
         # window is of no use to its receiver any more, and ends FAILED there.
         publish_at=now if due else None,
+        deadline_at=now + timedelta(seconds=settings.REACH_IDEMPOTENCY_TTL_S),
+    )
+
+
+def cancel_row(*, request: Message, now: datetime) -> Message:
+    """The CANCEL (console → node) that tells the node a request of ours went to that its
+    task is canceled: headers.cancelFor = the task id (PROTOCOL.md, "Tasks, numbers and
+    alarms"). Due in the outbox now; of no use past the idempotency window."""
+    node_id = settings.REACH_NODE_ID
+    headers = {"originNodeId": node_id, "replyNodeId": node_id, "cancelFor": request.task_id}
+    return Message(
+        message_id=str(uuid.uuid4()), task_id=request.task_id, idempotency_key="",
+        message_type=protocol.MessageType.CANCEL, direction=Direction.SEND, status=Status.SENT,
+        from_agent_id=request.from_agent_id or node_id, to_agent_id=request.to_agent_id,
+        target_node_id=request.target_node_id, origin_node_id=node_id, reply_node_id=node_id,
+        conversation_id=request.conversation_id, scene_group_id=request.scene_group_id,
+        session_id=request.session_id,
+        topic=protocol.inbox_topic(settings.MQTT_TOPIC_PREFIX, request.target_node_id),
+        headers=headers, payload={"taskId": request.task_id, "messageId": request.message_id},
+        created_at=now, updated_at=now, publish_at=now,
         deadline_at=now + timedelta(seconds=settings.REACH_IDEMPOTENCY_TTL_S),
     )
 
@@ -170,6 +196,12 @@ def received_row(env: protocol.Envelope, *, topic: str, direction: str, now: dat
     between other nodes is stored without its payload unless REACH_STORE_OBSERVED_PAYLOADS
     (it is theirs, and the console never resends it); the console's own keep theirs."""
     keep = direction != Direction.OBSERVED or settings.REACH_STORE_OBSERVED_PAYLOADS
+    deadline = None
+    if direction == Direction.OBSERVED and env.message_type == protocol.MessageType.TASK_REQUEST:
+        # Traffic between other nodes gets an outcome too: the answers seen on the bus move
+        # it, and its deadline ends it EXPIRED when none came (messages/sweeps.py).
+        deadline = now + timedelta(milliseconds=min(env.timeout_ms or DEFAULT_TIMEOUT_MS,
+                                                    MAX_TIMEOUT_MS))
     return ReceivedRow(
         message_id=env.message_id, task_id=(env.task_id or "")[:200],
         idempotency_key=env.idempotency_key[:200], message_type=env.message_type.value,
@@ -184,7 +216,7 @@ def received_row(env: protocol.Envelope, *, topic: str, direction: str, now: dat
         wire_payload=env.payload, attempt=env.attempt,
         # The message this one answers: a response's inReplyTo, an ACK/NACK/BUSY's ackFor.
         in_reply_to=(env.in_reply_to or env.ack_for or "")[:200], created_at=now,
-        updated_at=now,
+        updated_at=now, deadline_at=deadline,
     )
 
 

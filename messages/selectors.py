@@ -114,7 +114,8 @@ class MessageFilter:
         since, until = _text(get, "since", 40), _text(get, "until", 40)
         since_at, until_at = _when("since", since, now), _when("until", until, now)
         if since_at and until_at and since_at > until_at:
-            raise FilterError(f"since ({since}) is later than until ({until}): nothing can "
+            raise FilterError(code="empty_window", detail=f"since ({since}) is later than "
+                              f"until ({until}): nothing can "
                               "match.")
         return cls(statuses=tuple(statuses), message_type=message_type, direction=direction,
                    agent=_text(get, "agent", 265), node=_text(get, "node", 128),
@@ -156,11 +157,19 @@ class MessageFilter:
 
 def _base(flt: MessageFilter) -> QuerySet[Message]:
     """Every filter but the OR-ed alternatives (see `_alternatives`)."""
-    qs = Message.objects.all()
-    if len(flt.statuses) == 1:
-        qs = qs.filter(status=flt.statuses[0])
+    qs = filters_common(Message.objects.all(), flt)
     if flt.message_type:
         qs = qs.filter(message_type=flt.message_type)
+    if flt.q:
+        qs = qs.filter(Q(message_id=flt.q) | Q(task_id=flt.q) | Q(conversation_id=flt.q))
+    return qs
+
+
+def filters_common(qs: QuerySet, flt: MessageFilter) -> QuerySet:
+    """The filters the timeline and the task list read alike (messages/taskbook.py), on
+    columns both tables have under the same names; `q` and the type are each one's own."""
+    if len(flt.statuses) == 1:
+        qs = qs.filter(status=flt.statuses[0])
     if flt.direction:
         qs = qs.filter(direction=flt.direction)
     if flt.node:
@@ -174,10 +183,9 @@ def _base(flt: MessageFilter) -> QuerySet[Message]:
         qs = qs.filter(conversation_id=flt.conversation)
     if flt.task:
         qs = qs.filter(task_id=flt.task)
-    if flt.q:
-        qs = qs.filter(Q(message_id=flt.q) | Q(task_id=flt.q) | Q(conversation_id=flt.q))
     if flt.error:
-        # error <> '' lets PostgreSQL use the partial trigram index a2a_error_trgm.
+        # error <> '' lets PostgreSQL use the partial trigram indexes (a2a_error_trgm,
+        # a2a_task_error_trgm).
         qs = qs.filter(error__icontains=flt.error).exclude(error="")
     if flt.since_at:
         qs = qs.filter(created_at__gte=flt.since_at)
@@ -195,7 +203,7 @@ def _alternatives(flt: MessageFilter) -> list[list[Q]]:
     return groups
 
 
-def _branches(flt: MessageFilter) -> list[Q]:
+def filter_branches(flt: MessageFilter) -> list[Q]:
     """The filter as alternatives whose union is the set: one per combination of the OR-ed
     choices, each a plain AND that one index can serve in timeline order."""
     groups = _alternatives(flt)
@@ -225,15 +233,22 @@ def messages_page(flt: MessageFilter, *, before: int | None = None, limit: int =
     """One page of the filtered timeline, newest first, older than the row `before` (a row
     id): keyset paging on (created_at, id), so page 5,000 costs what page 1 does and no
     COUNT is needed. `fields=None` loads whole rows (exports)."""
-    qs = _base(flt)
+    return keyset_page(Message, _base(flt), filter_branches(flt), before=before, limit=limit,
+                       fields=fields)
+
+
+def keyset_page(model, qs: QuerySet, branches: list[Q], *, before: int | None, limit: int,
+                fields: tuple[str, ...] | None) -> MessagePage:
+    """A page of `qs` (rows of `model`, ordered by (created_at, id)), newest first, older
+    than the row `before`; each of `branches` is read in that order by its own index and
+    the pages merged (the timeline and the task list alike)."""
     if before is not None:
-        edge = Message.objects.filter(pk=before).values_list("created_at", flat=True).first()
+        edge = model.objects.filter(pk=before).values_list("created_at", flat=True).first()
         if edge is None:  # pruned since the page was shown: nothing older is left either
             return MessagePage(rows=[], older=None)
         # created_at <= edge bounds the index range; the OR only breaks ties within it.
         qs = qs.filter(Q(created_at__lt=edge) | Q(id__lt=before), created_at__lte=edge)
     order = ("-created_at", "-id")
-    branches = _branches(flt)
     if len(branches) == 1:
         found = qs.filter(branches[0]).order_by(*order)
         rows = list((found.only(*fields) if fields else found)[:limit + 1])
@@ -243,7 +258,7 @@ def messages_page(flt: MessageFilter, *, before: int | None = None, limit: int =
             keys.update(qs.filter(branch).order_by(*order)
                         .values_list("created_at", "id")[:limit + 1])
         top = sorted(keys, reverse=True)[:limit + 1]
-        loader = Message.objects.only(*fields) if fields else Message.objects
+        loader = model.objects.only(*fields) if fields else model.objects
         by_id = loader.in_bulk([pk for _, pk in top])
         rows = [by_id[pk] for _, pk in top if pk in by_id]
     older = rows[limit - 1].pk if len(rows) > limit else None

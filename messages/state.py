@@ -20,9 +20,10 @@ from typing import Any, TypeVar
 from django.db import OperationalError, connection, models, transaction
 
 from messages.events import message_events, publisher
+from messages.ledger import Ledger
 from messages.load import Deltas, slot_of
-from messages.models import TRANSITIONS, Message, Status, Transition
-from messages.tally import ANSWERED, DeliveryTally
+from messages.models import ANSWERED_STATUSES, TRANSITIONS, Message, Status, Transition
+from messages.tally import DeliveryTally
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -54,6 +55,10 @@ def messages_insert_new(rows: list[Message]) -> list[Message]:
         if hasattr(row, "_state"):  # a model instance, not a ReceivedRow
             row._state.adding = False
         fresh.append(row)
+    # Only the rows this call inserted are counted and make tasks: a repeat changes nothing.
+    ledger = Ledger()
+    ledger.inserted(fresh)
+    ledger.write()
     return fresh
 
 
@@ -228,6 +233,7 @@ def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
     result = Applied()
     deltas = Deltas()
     tally = DeliveryTally()
+    ledger = Ledger()
     groups: dict[tuple[str, frozenset[str], tuple[str, ...]], list[Change]] = defaultdict(list)
     for change in changes:
         allowed = TRANSITIONS[change.to]
@@ -290,7 +296,9 @@ def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
             for name, value in change.fields.items():
                 setattr(row, name, value)
             deltas.move(row.to_agent_id, slot, slot_of(row))
-            tally.moved(row, previous=previous, answer=to in ANSWERED or change.retryable)
+            tally.moved(row, previous=previous, answer=to in ANSWERED_STATUSES or change.retryable)
+            ledger.moved(row, previous=previous,
+                         answered_by=change.heard.origin_node_id if change.heard else "")
             transitions.append(Transition(
                 message=row, from_status=previous, to_status=to, at=now, reason=change.reason,
                 actor=change.actor, by=change.by,
@@ -302,6 +310,8 @@ def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
             Message.objects.bulk_update(rows, ["status", "updated_at", *field_names, *also])
     Transition.objects.bulk_create(transitions)
     deltas.write()
+    # After the load rows: the lock order (messages/load.py).
+    ledger.write()
     tally.on_commit()
     result.freed = deltas.freed()
     return result
@@ -336,6 +346,9 @@ def late_pubacks_record(*, pks: list[int], now: datetime) -> None:
         for r in failed:
             r.published_at, r.error, r.updated_at = now, words, now
             events += message_events(r, previous=Status.FAILED, reason="late PUBACK")
+        ledger = Ledger()
+        ledger.reworded(failed)
+        ledger.write()
         # Pushed, not counted: the row's status did not change (reach_messages_total
         # counted its FAILED already).
         transaction.on_commit(lambda: publisher.publish(events))

@@ -128,6 +128,10 @@ def _deadline_words(row: Message) -> tuple[str, str]:
     for: the console's own work says so, a receiver's silence says what was missing."""
     timeout = (row.headers or {}).get("timeoutMs")
     within = f"within {timeout} ms" if timeout else "before its deadline"
+    if row.direction == Direction.OBSERVED:
+        if row.status == Status.ACKED:
+            return Status.EXPIRED, f"acknowledged on the bus, no response seen {within}"
+        return Status.EXPIRED, f"no answer seen on the bus {within}"
     if row.message_type != "TASK_REQUEST":
         return Status.FAILED, (f"the MQTT broker did not take this {row.message_type} {within}"
                                ": the console could not publish it (broker unreachable?)")
@@ -156,14 +160,14 @@ def _past_deadline(now: datetime, result: SweepResult) -> list[dict]:
                            ).exclude(message_type="TASK_REQUEST").update(deadline_at=None)
     rows = list(
         Message.objects.select_for_update(skip_locked=True)
-        .filter(status__in=list(OPEN_STATUSES), deadline_at__lt=now)
+        .filter(status__in=[*OPEN_STATUSES, Status.OBSERVED], deadline_at__lt=now)
         .order_by("deadline_at")[:SWEEP_BATCH]
     )
     deaf = not _hearing_long_enough(now)
     changes = []
     for row in rows:
         status, words = _deadline_words(row)
-        if deaf and row.status in (Status.PUBLISHED, Status.ACKED):
+        if deaf and row.status in (Status.PUBLISHED, Status.ACKED, Status.OBSERVED):
             words += ("; the console could not hear the bus meanwhile, so the answer may "
                       "only be late (a late response still completes it)")
         changes.append(Change(pk=row.pk, to=status, allowed=frozenset({row.status}),

@@ -17,15 +17,12 @@ from collections import Counter
 
 from django.db import transaction
 
-from messages.models import Direction, Status
+from messages.models import ANSWERED_STATUSES, Direction, Status
 from reachconsole.core.metrics import counters_add_later, delivery_add_later, histogram_counts
 
 EVENT_MESSAGE = "a2a_message"  # messages.events.EVENT_MESSAGE (which imports this module)
 LATENCY = "delivery_latency"
 TASK_REQUEST = "TASK_REQUEST"
-# A request in one of these has had its answer.
-ANSWERED = frozenset({Status.ACKED, Status.NACKED, Status.BUSY, Status.COMPLETED,
-                      Status.TASK_ERROR})
 
 
 def events_count(events: list[dict]) -> None:
@@ -61,7 +58,7 @@ class DeliveryTally:
         second = int(row.published_at.timestamp())
         if row.status == Status.PUBLISHED and previous == Status.SENT:
             self.published[second] += 1
-        elif answer and previous not in ANSWERED and (row.status == Status.ACKED
+        elif answer and previous not in ANSWERED_STATUSES and (row.status == Status.ACKED
                                                       or row.acked_at is None):
             # The first answer only: a response after ACKED → EXPIRED was answered already.
             self.answered[second] += 1

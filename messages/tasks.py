@@ -28,3 +28,19 @@ def loads_reconcile() -> int:
     from messages.load import loads_reconcile as reconcile
 
     return reconcile()
+
+
+@shared_task(name="messages.tasks.rollups_fold", ignore_result=True)
+def rollups_fold() -> int:
+    import time
+
+    from messages.rollups import FOLD_BATCH
+    from messages.rollups import rollups_fold as fold
+
+    # Batch after batch while a backlog remains, within a few seconds: beat runs it again.
+    started, read = time.monotonic(), 0
+    while True:
+        done = fold().read
+        read += done
+        if done < FOLD_BATCH or time.monotonic() - started > 5:
+            return read

@@ -11,6 +11,9 @@ urlpatterns = [
     path("export.jsonl", views.message_export, {"kind": "jsonl"}, name="export_jsonl"),
     path("bulk-resend", views.message_resend_bulk, name="resend_bulk"),
     path("agents/<str:agent_id>/load/", views.agent_load, name="agent_load"),
+    path("agents/<str:agent_id>/stats/", views.agent_stats, name="agent_stats"),
+    path("nodes/stats/", views.nodes_stats, name="nodes_stats"),
+    path("nodes/<str:node_id>/stats/", views.node_stats, name="node_stats"),
     path("<str:message_id>/", views.message_trace, name="trace"),
     path("<str:message_id>/resend", views.message_resend_view, name="resend"),
 ]

@@ -4,14 +4,10 @@ before a drain."""
 
 from __future__ import annotations
 
-import csv
-import io
-import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from urllib.parse import quote
 
-from asgiref.sync import sync_to_async
 from django.contrib import messages as flash
 from django.contrib.auth.decorators import login_required, permission_required
 from django.core.handlers.asgi import ASGIRequest
@@ -25,10 +21,23 @@ from django.views.decorators.http import require_GET, require_POST
 from django.views.decorators.vary import vary_on_headers
 
 from directory.routing import route_capability
-from messages.models import Direction, Message, Status
+from messages.ledger import AGENT, ANSWER_BUCKETS_S, NODE
+from messages.models import CANCELABLE_STATUSES, Direction, Message, Status
 from messages.outbound import messages_resend
+from messages.page_params import export_chunks, filter_form, page_cursor, streamed
 from messages.protocol import MessageType
 from messages.redact import redacted
+from messages.rollups import (
+    PERCENTILES,
+    WINDOWS,
+    SubjectStats,
+    WindowError,
+    bounds_words,
+    duration_words,
+    subject_stats,
+    subjects_stats,
+    window_read,
+)
 from messages.rows import message_fields
 from messages.selectors import (
     PAGE_SIZE,
@@ -45,8 +54,9 @@ from messages.selectors import (
     task_trace,
 )
 from reachconsole.core.errors import ConsoleError
+from reachconsole.core.metrics import LATENCY_BUCKETS_S
 from roster.loads import LOAD_MEANING, agents_load
-from roster.models import Agent
+from roster.models import Agent, ClusterNode
 
 BULK_LIMIT = 500
 # An export is bounded: the newest EXPORT_LIMIT rows of the filtered set, read
@@ -54,30 +64,9 @@ BULK_LIMIT = 500
 EXPORT_LIMIT = 100_000
 EXPORT_CHUNK = 1000
 NEW_COUNT_CAP = 1000
-FILTER_PARAMS = ("status", "type", "direction", "agent", "node", "namespace", "conversation",
-                 "task", "q", "error", "since", "until")
-
-
-def _cursor(get) -> int | None:
-    raw = (get.get("before") or "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or len(raw) > 18:
-        raise FilterError(f"before={raw[:40]!r} is not a row id: follow the page's \"Older\" "
-                          "link, or leave it out for the newest rows.")
-    return int(raw)
-
-
-def _form(get) -> dict:
-    """The filter form as the URL has it, shown back even when it cannot be read."""
-    values = {name: (get.get(name) or "")[:265] for name in FILTER_PARAMS if name != "status"}
-    values["statuses"] = [s.strip().upper() for v in get.getlist("status") for s in v.split(",")]
-    return values
-
-
 def _list_context(request: HttpRequest) -> dict:
     flt = MessageFilter.from_query(request.GET)
-    before = _cursor(request.GET)
+    before = page_cursor(request.GET)
     # Read before the rows: a row stored in between is then counted as news by the page
     # (and shown), rather than neither shown nor counted.
     seen_id = newest_message_id()
@@ -95,7 +84,7 @@ def message_list(request: HttpRequest) -> HttpResponse:
     """The timeline: the newest rows of the filtered set (or those before a cursor); its
     live part is re-rendered by the same partial when events arrive (static/js/timeline.js)."""
     live = bool(request.htmx) and request.htmx.target == "messages-live"
-    form = {"f": _form(request.GET), "statuses": Status.values,
+    form = {"f": filter_form(request.GET), "statuses": Status.values,
             "types": list(MessageType.__members__), "directions": Direction.values,
             "since_presets": SINCE_PRESETS, "bulk_limit": BULK_LIMIT,
             "can_resend": request.user.has_perm("a2a.resend_message")}
@@ -139,7 +128,7 @@ def message_new_count(request: HttpRequest) -> HttpResponse:
     for a paused timeline's "N new" bar after a gap in the stream."""
     try:
         flt = MessageFilter.from_query(request.GET)
-        after = _cursor({"before": request.GET.get("after", "")}) or 0
+        after = page_cursor({"before": request.GET.get("after", "")}) or 0
     except FilterError as exc:
         return JsonResponse({"error": exc.code, "detail": exc.detail}, status=400)
     up_to = newest_message_id()
@@ -152,53 +141,14 @@ def message_new_count(request: HttpRequest) -> HttpResponse:
 EXPORT_FIELDS = ("id", "createdAt", "messageId", "taskId", "messageType", "direction",
                  "status", "error", "attempt", "fromAgentId", "toAgentId", "targetNodeId",
                  "originNodeId", "conversationId", "sceneGroupId", "sessionId", "payload")
-# A spreadsheet runs a cell that starts with one of these as a formula; payloads and error
-# texts come from the bus.
-FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
-
-
 def _exported(row: Message) -> dict:
     return {"id": row.pk, "createdAt": row.created_at.isoformat(), **message_fields(row),
             "originNodeId": row.origin_node_id or None, "payload": redacted(row.payload)}
 
 
-def _csv_cell(value) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        value = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    return "'" + value if value.startswith(FORMULA_START) else value
-
-
 def _export_chunks(flt: MessageFilter, kind: str) -> Iterator[str]:
-    buffer = io.StringIO()
-    writer = csv.writer(buffer)
-    if kind == "csv":
-        writer.writerow(EXPORT_FIELDS)
-    for rows in messages_pages(flt, limit=EXPORT_LIMIT, chunk=EXPORT_CHUNK):
-        for row in rows:
-            data = _exported(row)
-            if kind == "csv":
-                writer.writerow([_csv_cell(data[name]) for name in EXPORT_FIELDS])
-            else:
-                buffer.write(json.dumps({name: data[name] for name in EXPORT_FIELDS},
-                                        ensure_ascii=False) + "\n")
-        yield buffer.getvalue()
-        buffer.seek(0)
-        buffer.truncate()
-    if kind == "csv" and buffer.tell():  # the header of an empty export
-        yield buffer.getvalue()
-
-
-_END = object()
-
-
-async def _streamed(chunks: Iterator[str]) -> AsyncIterator[str]:
-    # Under ASGI Django reads a synchronous iterator to its end before sending a byte; read
-    # each chunk (one keyset page, one query) in the thread that serves sync code instead.
-    read = sync_to_async(next, thread_sensitive=True)
-    while (chunk := await read(chunks, _END)) is not _END:
-        yield chunk
+    return export_chunks(messages_pages(flt, limit=EXPORT_LIMIT, chunk=EXPORT_CHUNK),
+                         fields=EXPORT_FIELDS, exported=_exported, kind=kind)
 
 
 @require_GET
@@ -212,7 +162,7 @@ def message_export(request: HttpRequest, kind: str) -> HttpResponse:
         return render(request, "errors/error.html", {
             "status": 400, "title": "Filter not understood", "detail": exc.detail}, status=400)
     chunks = _export_chunks(flt, kind)
-    content = _streamed(chunks) if isinstance(request, ASGIRequest) else chunks
+    content = streamed(chunks) if isinstance(request, ASGIRequest) else chunks
     stamp = timezone.now().strftime("%Y%m%dT%H%M%SZ")
     response = StreamingHttpResponse(content, content_type={
         "csv": "text/csv; charset=utf-8", "jsonl": "application/x-ndjson; charset=utf-8"}[kind])
@@ -236,6 +186,11 @@ def message_trace(request: HttpRequest, message_id: str) -> HttpResponse:
         "candidates": (row.resolution or {}).get("candidates") or [],
         "resendable": message_is_resendable(row),
         "can_resend": request.user.has_perm("a2a.resend_message"),
+        # The task may be canceled while any transmission of ours is still open.
+        "cancelable": row.direction == Direction.SEND and any(
+            a.row.message_type == MessageType.TASK_REQUEST
+            and a.row.status in CANCELABLE_STATUSES for a in trace.attempts),
+        "can_cancel": request.user.has_perm("a2a.cancel_task"),
         "stream": _trace_stream(row),
     }
     if request.htmx and request.htmx.target == "trace-live":
@@ -348,3 +303,202 @@ def agent_load(request: HttpRequest, agent_id: str) -> HttpResponse:
         "inflight": open_work.filter(status__in=[Status.SENT, Status.PUBLISHED,
                                                  Status.RETRYING]).order_by("created_at")[:50],
     })
+
+
+# --- an agent's and a node's numbers (PROTOCOL.md "Tasks, numbers and alarms") -------------
+# Read from the kept rollups (messages/rollups.py), never by scanning a window of rows: one
+# read per partial, whatever the traffic, so the stream may refresh them about once a second.
+# Longer than the column that holds it, an id was never counted: refused before the read.
+STATS_AGENT_ID_MAX = Message._meta.get_field("to_agent_id").max_length
+STATS_NODE_ID_MAX = Message._meta.get_field("target_node_id").max_length
+# The cluster page asks for all its cards in one request; no cluster page has more.
+NODES_STATS_MAX = 1000
+NODE_CARD_WINDOW = "15m"
+TASKS_PATH = "/tasks/"
+BAD_STATS_ID = ("{what} {raw!r} cannot have numbers: an id has at most {limit} characters and "
+                "no control characters (a NUL, say). Check the address.")
+TOO_MANY_NODES = ("Numbers for {n} nodes were asked for at once; at most {limit} can be: "
+                  "reload the cluster page.")
+# What each count is called and the task-list status that shows its tasks. Counts are of
+# transmissions by the status they have now (messages/ledger.py); "tasks" are first attempts.
+STAT_COUNTS = (
+    ("tasks", "tasks sent", ""),
+    ("completed", "completed", Status.COMPLETED),
+    ("taskErrors", "task errors", Status.TASK_ERROR),
+    ("expired", "expired", Status.EXPIRED),
+    ("undeliverable", "undeliverable", Status.UNDELIVERABLE),
+    ("nacked", "NACKed", Status.NACKED),
+    ("busy", "BUSY", Status.BUSY),
+    ("failed", "failed", Status.FAILED),
+)
+
+
+def _quantile_bucket(counts, bounds: tuple[float, ...], prefix: str, q: float
+                     ) -> tuple[float, float | None] | None:
+    """The histogram bucket the q-quantile lies in, as (low, high), high None above the last
+    bound: percentile() places the value inside it by interpolation, so the bucket is what is
+    known. The same walk as messages.rollups.percentile."""
+    per = [max(0, counts.get(f"{prefix}{i}", 0)) for i in range(len(bounds) + 1)]
+    total = sum(per)
+    if not total:
+        return None
+    rank, seen = q * total, 0
+    for i, n in enumerate(per):
+        if n and seen + n >= rank:
+            return (bounds[i - 1] if i else 0.0), (bounds[i] if i < len(bounds) else None)
+        seen += n
+    return bounds[-1], None
+
+
+def _between(bucket: tuple[float, float | None] | None) -> str:
+    if bucket is None:
+        return ""
+    low, high = bucket
+    if high is None:
+        return f"above {duration_words(low)}, the last bound"
+    if not low:
+        return f"under {duration_words(high)}, the first bound"
+    return f"between {duration_words(low)} and {duration_words(high)}"
+
+
+def _percentiles(stats: SubjectStats, *, bounds: tuple[float, ...], prefix: str,
+                 value) -> list[dict]:
+    rows = []
+    for q in PERCENTILES:
+        bucket = _quantile_bucket(stats.counts, bounds, prefix, q)
+        seconds = value(q) if bucket is not None else None
+        rows.append({"name": f"p{round(q * 100)}", "value": duration_words(seconds),
+                     "ms": None if seconds is None else round(seconds * 1000, 1),
+                     "between": _between(bucket)})
+    return rows
+
+
+def _rate(rate: float | None) -> str:
+    return "—" if rate is None else f"{rate * 100:.1f} %"
+
+
+def _stats_context(stats: SubjectStats, *, kind: str, subject: str, url: str,
+                   page_url: str = "") -> dict:
+    """The numbers as the partials show them: each count with the task list filtered to it
+    (status, the subject, `since` = the window in minutes)."""
+    data = stats.as_json()
+    minutes = WINDOWS[stats.window][0] // 60
+    subject_pair = [(kind, subject), ("since", minutes)]
+
+    def listed(path: str, status: str = "") -> str:
+        return f"{path}?{urlencode(([('status', status)] if status else []) + subject_pair)}"
+
+    counts = [{"key": key, "label": label, "n": data[key], "status": status,
+               "href": listed(TASKS_PATH, status)} for key, label, status in STAT_COUNTS]
+    # A retry is a transmission, not a task outcome: the timeline lists the attempts that
+    # were retried (RETRIED), which the task list cannot filter on.
+    counts.append({"key": "retries", "label": "retries", "n": data["retries"],
+                   "status": Status.RETRIED,
+                   "href": listed(reverse("a2a:list"), Status.RETRIED)})
+    return {
+        "kind": kind, "subject": subject, "stats": stats, "data": data, "counts": counts,
+        "window": stats.window, "minutes": minutes, "url": url, "page_url": page_url,
+        "windows": [(name, f"{url}?window={name}") for name in WINDOWS],
+        "success": _rate(stats.success_rate),
+        "ack": _percentiles(stats, bounds=LATENCY_BUCKETS_S, prefix="lat:",
+                            value=stats.latency),
+        "answer": _percentiles(stats, bounds=ANSWER_BUCKETS_S, prefix="ans:",
+                               value=stats.answer),
+        "ack_bounds": bounds_words(LATENCY_BUCKETS_S),
+        "answer_bounds": bounds_words(ANSWER_BUCKETS_S),
+        "tasks_href": listed(TASKS_PATH),
+    }
+
+
+def _stats_refused(request: HttpRequest, title: str, detail: str) -> HttpResponse:
+    # The partial's answer is a fragment either way; static/js/console.js shows its words.
+    return render(request, "errors/_error.html", {"status": 400, "title": title,
+                                                  "detail": detail}, status=400)
+
+
+def _stats_id_refused(raw: str, *, what: str, limit: int) -> str:
+    """Words for an id that cannot have numbers (PostgreSQL cannot even compare a NUL)."""
+    if len(raw) > limit or not raw.isprintable():
+        return BAD_STATS_ID.format(what=what, raw=raw[:60], limit=limit)
+    return ""
+
+
+def _subject_stats(request: HttpRequest, *, kind: str, subject: str, template: str
+                   ) -> HttpResponse:
+    scope, limit = ((AGENT, STATS_AGENT_ID_MAX) if kind == "agent"
+                    else (NODE, STATS_NODE_ID_MAX))
+    refused = _stats_id_refused(subject, what=f"The {kind} id", limit=limit)
+    if refused:
+        return _stats_refused(request, "Not an id", refused)
+    try:
+        window = window_read(request.GET.get("window"))
+    except WindowError as exc:
+        return _stats_refused(request, "Unknown window", exc.detail)
+    # The numbers of an id, on the roster or not: an agent that left it still has its past.
+    stats = subject_stats(scope=scope, subject=subject, window=window)
+    url = reverse(f"a2a:{kind}_stats", args=[subject])
+    page_url = reverse("roster:agent", args=[subject]) if kind == "agent" else ""
+    return render(request, template, _stats_context(stats, kind=kind, subject=subject,
+                                                    url=url, page_url=page_url))
+
+
+@require_GET
+@login_required
+@permission_required("a2a.view_message", raise_exception=True)
+def agent_stats(request: HttpRequest, agent_id: str) -> HttpResponse:
+    """Tasks sent to the agent in a window and what became of them, its success rate and its
+    publish → ACK and sent → answered percentiles: the agent page's numbers."""
+    return _subject_stats(request, kind="agent", subject=agent_id,
+                          template="messages/_agent_stats.html")
+
+
+@require_GET
+@login_required
+@permission_required("a2a.view_message", raise_exception=True)
+def node_stats(request: HttpRequest, node_id: str) -> HttpResponse:
+    """The same numbers for every task sent to agents on the node."""
+    return _subject_stats(request, kind="node", subject=node_id,
+                          template="messages/_node_stats.html")
+
+
+def _node_card(node_id: str, *, pk: int, stats: SubjectStats | None, minutes: int) -> dict:
+    query = {"node": node_id, "since": minutes}
+    counts = stats.counts if stats else {}
+    return {
+        "pk": pk, "node_id": node_id,
+        "tasks": max(0, counts.get("tasks", 0)),
+        "expired": stats.n(Status.EXPIRED) if stats else 0,
+        "finished": stats.finished if stats else 0,
+        "success": _rate(stats.success_rate if stats else None),
+        "p95": duration_words(stats.answer(0.95) if stats else None),
+        "p95_between": _between(_quantile_bucket(counts, ANSWER_BUCKETS_S, "ans:", 0.95)),
+        "tasks_href": f"{TASKS_PATH}?{urlencode(query)}",
+        "expired_href": f"{TASKS_PATH}?{urlencode({'status': Status.EXPIRED, **query})}",
+        "more_url": reverse("a2a:node_stats", args=[node_id]),
+    }
+
+
+@require_GET
+@login_required
+@permission_required("a2a.view_message", raise_exception=True)
+def nodes_stats(request: HttpRequest) -> HttpResponse:
+    """The cluster page's cards (`node` once per card): each node's tasks, success rate, p95
+    sent → answered and expired over the last 15 minutes, from one read for all of them,
+    each swapped into its card out of band (templates/roster/_nodes_live.html)."""
+    node_ids = list(dict.fromkeys(n for n in request.GET.getlist("node") if n))
+    if len(node_ids) > NODES_STATS_MAX:
+        return _stats_refused(request, "Too many nodes", TOO_MANY_NODES.format(
+            n=len(node_ids), limit=NODES_STATS_MAX))
+    for node_id in node_ids:
+        refused = _stats_id_refused(node_id, what="The node id", limit=STATS_NODE_ID_MAX)
+        if refused:
+            return _stats_refused(request, "Not an id", refused)
+    # The cards are named by primary key: a node id may hold "." or ":", and htmx looks a
+    # kept (hx-preserve) element up by its id as a CSS selector, unescaped.
+    pks = dict(ClusterNode.objects.filter(node_id__in=node_ids).values_list("node_id", "pk"))
+    found = subjects_stats(scope=NODE, window=NODE_CARD_WINDOW, subjects=list(pks))
+    minutes = WINDOWS[NODE_CARD_WINDOW][0] // 60
+    cards = [_node_card(node_id, pk=pks[node_id], stats=found.get(node_id), minutes=minutes)
+             for node_id in node_ids if node_id in pks]
+    return render(request, "messages/_node_stats.html", {
+        "cards": cards, "compact": True, "window": NODE_CARD_WINDOW, "minutes": minutes})

@@ -142,5 +142,7 @@ for _error_class in UNAVAILABLE_ERRORS:
 api.add_router("/roster", "roster.api.router")
 api.add_router("/cluster", "roster.api.cluster_router")
 api.add_router("/ops", "roster.api.ops_router")
+api.add_router("/ops/alarms", "alarms.api.router")
 api.add_router("/a2a", "messages.api.router")
+api.add_router("/ops", "messages.api.ops_router")
 api.add_router("/directory", "directory.api.router")

@@ -26,6 +26,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import CollectorRegistry
 
+from alarms.selectors import active_by_kind
 from messages.selectors import load_totals, open_counts
 from messages.tally import LATENCY
 from reachconsole.core.metrics import HIST_PREFIX, counters_snapshot, histogram_read
@@ -53,7 +54,8 @@ DUPLICATES = {"duplicate_message_id": "message_id",
               "duplicate_idempotency_key": "idempotency_key"}
 GAUGES = frozenset({"reach_agents", "reach_agents_stale", "reach_nodes",
                     "reach_roster_consistency", "reach_inflight", "reach_held",
-                    "reach_messages_open", "reach_bridge_connected", "reach_scrape_source_ok"})
+                    "reach_messages_open", "reach_bridge_connected", "reach_scrape_source_ok",
+                    "reach_alarms_active"})
 _NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _warned_at: dict[str, float] = {}
 
@@ -149,7 +151,11 @@ def database_families() -> list[Metric]:
                                   "the bus; absent for one that does not", labels=["instance"])
     for row in bridges_hearing(now=now):
         connected.add_metric([row.instance], 1)
-    return [agents, stale, nodes, consistency,
+    alarms = GaugeMetricFamily("reach_alarms_active", "Alarms whose condition holds now "
+                               "(acknowledged or not), by kind", labels=["kind"])
+    for kind, value in active_by_kind().items():
+        alarms.add_metric([kind], value)
+    return [agents, stale, nodes, consistency, alarms,
             GaugeMetricFamily("reach_inflight", "Task requests sent and not yet answered, "
                               "over all agents", value=inflight),
             GaugeMetricFamily("reach_held", "Task requests held back behind their agent's "

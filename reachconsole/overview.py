@@ -20,8 +20,10 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET
 from django.views.decorators.vary import vary_on_headers
 
+from alarms.selectors import active_tree
 from directory.coverage import capability_coverage
 from messages.broker_caps import broker_caps_read
+from messages.rollups import bounds_words
 from messages.selectors import load_totals
 from messages.stats import MessageStats, message_stats
 from reachconsole import health
@@ -111,8 +113,21 @@ def message_tiles(stats: MessageStats, window: Window, *, held_total: int,
                          title=f"Delivery latency p50, p95 and p99, {window.label}",
                          summary=f"p50 {_ms(p.get(0.5))} ms, p95 {_ms(p.get(0.95))} ms, "
                                  f"p99 {_ms(p.get(0.99))} ms over the last minutes"))
+    a = stats.totals.answer
+    answer_tile = Tile(
+        key="answer", label="Answer time p50 / p95 / p99",
+        value=" / ".join(_ms(a.get(q)) for q in (0.5, 0.95, 0.99)), unit="ms",
+        note=f"sent (or first seen) → response, of {stats.totals.answered} task request"
+             f"{'' if stats.totals.answered == 1 else 's'} in the last "
+             f"{round((stats.until - stats.latency_since).total_seconds() / 60)} minutes, "
+             "the console's and those seen between other nodes",
+        chart=line_chart({"p50": stats.series("a50"), "p95": stats.series("a95"),
+                          "p99": stats.series("a99")},
+                         title=f"Answer time p50, p95 and p99, {window.label}",
+                         summary=f"p50 {_ms(a.get(0.5))} ms, p95 {_ms(a.get(0.95))} ms, "
+                                 f"p99 {_ms(a.get(0.99))} ms over the last minutes"))
     return [
-        rate_tile, latency_tile,
+        rate_tile, latency_tile, answer_tile,
         _count_tile(stats, window, key="retries", label="Retries", level="warn",
                     note="new attempts of a task: no ACK in time, a retryable NACK, or BUSY"),
         _count_tile(stats, window, key="duplicates", label="Duplicates", level="warn",
@@ -126,6 +141,12 @@ def message_tiles(stats: MessageStats, window: Window, *, held_total: int,
                     status="UNDELIVERABLE", note="no node could be resolved; not published"),
         _count_tile(stats, window, key="failed", label="FAILED", level="bad", status="FAILED",
                     note="the broker did not take it in time"),
+        _count_tile(stats, window, key="expired", label="EXPIRED", level="bad",
+                    status="EXPIRED", note="no answer within the task's timeoutMs (sent by the "
+                    "console or seen on the bus)"),
+        _count_tile(stats, window, key="task_errors", label="TASK_ERROR", level="bad",
+                    status="TASK_ERROR", note="answered: the agent reported that the task "
+                    "failed"),
     ]
 
 
@@ -176,9 +197,13 @@ def overview(request: HttpRequest) -> HttpResponse:
     context = {
         "now": now, "window": window, "windows": WINDOWS.values(),
         "nodes": node_summary(), "agents": roster_counts(now=now),
-        "coverage": coverage, "uncovered": [c for c in coverage if c.uncovered],
+        "coverage": coverage,
+        # The strip at the top: the alarm records (alarms/evaluate.py), roots then children.
+        "alarm_trees": active_tree(),
         "broker": broker_state(now=now), "stats": stats,
         "tiles": message_tiles(stats, window, held_total=held, inflight_total=inflight),
+        "latency_bounds": bounds_words(stats.latency_bounds_s),
+        "answer_bounds": bounds_words(stats.answer_bounds_s),
     }
     if request.htmx and request.htmx.target == "overview-live":
         return render(request, "overview/_overview_live.html", context)

@@ -54,6 +54,7 @@ INSTALLED_APPS = [
     "roster",
     "directory",
     "messages.apps.A2AConfig",
+    "alarms",
 ]
 
 MIDDLEWARE = [
@@ -88,6 +89,8 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                # The header's count of active, unacknowledged alarms.
+                "alarms.context_processors.alarms_header",
             ],
         },
     },
@@ -309,6 +312,21 @@ REACH_RECONCILE_TTL_S = env_int("REACH_RECONCILE_TTL_S", 30, minimum=1)
 REACH_RECONCILE_TIMEOUT_S = env_float("REACH_RECONCILE_TIMEOUT_S", 5.0, minimum=0.1)
 REACH_MAX_METADATA_BYTES = env_int("REACH_MAX_METADATA_BYTES", 16 * 1024, minimum=256)
 
+# --- alarms (alarms/evaluate.py) ---------------------------------------------------------
+# Evaluated by beat this often; each judges the last 5 minutes of the kept numbers.
+REACH_ALARM_EVAL_S = env_float("REACH_ALARM_EVAL_S", 5.0, minimum=1.0)
+# An agent (or the whole console) with at least this many task requests ended in 5 minutes,
+# of which fewer than this share completed, is failing.
+REACH_ALARM_SUCCESS_MIN = env_float("REACH_ALARM_SUCCESS_MIN", 0.8)
+if REACH_ALARM_SUCCESS_MIN > 1:
+    raise ImproperlyConfigured(
+        f"REACH_ALARM_SUCCESS_MIN={REACH_ALARM_SUCCESS_MIN} is a share: 0 to 1")
+REACH_ALARM_MIN_TASKS = env_int("REACH_ALARM_MIN_TASKS", 5, minimum=1)
+# Task requests to one agent found EXPIRED in 5 minutes that raise tasks_expiring.
+REACH_ALARM_EXPIRED_MIN = env_int("REACH_ALARM_EXPIRED_MIN", 3, minimum=1)
+# Cleared alarms are kept this long (0 keeps them all).
+REACH_ALARM_RETENTION_DAYS = env_int("REACH_ALARM_RETENTION_DAYS", 30, minimum=0)
+
 # Only one beat may run; every periodic task also guards its claims, so two are harmless.
 CELERY_BEAT_SCHEDULE = {
     "leases-expire": {"task": "roster.tasks.leases_expire", "schedule": REACH_LEASE_SWEEP_S},
@@ -322,6 +340,9 @@ CELERY_BEAT_SCHEDULE = {
                           "schedule": REACH_RECONCILE_TTL_S},
     # Deadlines for agents written around the services (roster.models.LeaseDeadline).
     "lease-deadlines-repair": {"task": "roster.tasks.lease_deadlines_repair", "schedule": 300},
+    # The numbers kept per bucket, each key's rows folded into one (messages/rollups.py).
+    "rollups-fold": {"task": "messages.tasks.rollups_fold", "schedule": 10},
+    "alarms-evaluate": {"task": "alarms.tasks.alarms_evaluate", "schedule": REACH_ALARM_EVAL_S},
 }
 
 # --- northbound API auth ------------------------------------------------------------------

@@ -4,12 +4,20 @@ from django.urls import include, path
 
 from reachconsole import audit_views, health, overview
 from reachconsole.api import api
+from reachconsole.roster_numbers import ROSTER_NUMBERS
+from roster import views as roster_views
 
 urlpatterns = [
+    # The roster page with the numbers it cannot read itself (roster imports no app): the
+    # composition root hands them in; every other roster page, and reversing "roster:health"
+    # to "/", comes from roster.urls below.
+    path("", roster_views.health, {"numbers": ROSTER_NUMBERS}, name="health"),
     path("", include("roster.urls")),
     path("directory/", include("directory.urls")),
     path("messages/", include("messages.urls")),
+    path("tasks/", include("messages.task_urls")),
     path("audit/", audit_views.audit_list, name="audit"),
+    path("alarms/", include("alarms.urls")),
     path("overview/", overview.overview, name="overview"),
     # Throttled by django-axes like every password check (reachconsole/login.py).
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+from typing import Any, Protocol
+
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required, permission_required
 from django.core.cache import cache
@@ -20,6 +23,7 @@ from roster.models import Agent, ClusterNode, Reconciliation, RosterEvent
 from roster.reconcile import cluster_reconcile, last_reconciliation
 from roster.selectors import (
     AgentFilter,
+    AgentPage,
     agents_filter,
     agents_page,
     filter_choices,
@@ -44,27 +48,76 @@ def _filter_from(request: HttpRequest) -> AgentFilter:
     )
 
 
+class RosterNumbers(Protocol):
+    """Numbers about agents that another part of the console keeps (success rate, answer
+    times: the messages app's). The composition root hands one to the roster page
+    (reachconsole/urls.py, reachconsole/roster_numbers.py), so the page shows them and sorts
+    the whole roster by them while roster imports no app."""
+
+    window_label: str  # as the column headers say it: "15 m"
+    window_minutes: int  # the task list's `since` for it
+    sorts: dict[str, str]  # ?sort= value → how the page says it ("by success rate, …")
+    first_direction: dict[str, str]  # column → the sort its first click asks for
+
+    def allowed(self, user) -> bool: ...
+
+    def cells(self, agent_ids: list[str], *, now: datetime) -> dict[str, Any]: ...
+
+    def agents_page(self, flt: AgentFilter, *, sort: str, after: str, size: int,
+                    now: datetime) -> tuple[AgentPage, dict[str, Any]]: ...
+
+
+def _sort_links(numbers: RosterNumbers, query: dict[str, str], sort: str) -> dict[str, dict]:
+    """Per column: the query its header link asks for (the first direction, or the other one
+    when it is the current sort) and how the page is ordered by it now."""
+    links = {}
+    for column, first in numbers.first_direction.items():
+        other = first.removeprefix("-") if first.startswith("-") else f"-{first}"
+        current = sort.removeprefix("-") == column
+        links[column] = {
+            "query": urlencode({**query, "sort": other if sort == first else first}),
+            "order": ("descending" if sort.startswith("-") else "ascending") if current else "",
+        }
+    return links
+
+
 @require_GET
 @login_required
 @vary_on_headers("HX-Request")
-def health(request: HttpRequest) -> HttpResponse:
+def health(request: HttpRequest, numbers: RosterNumbers | None = None) -> HttpResponse:
     flt = _filter_from(request)
     now = timezone.now()
     after = request.GET.get("after", "")[:300]
-    page = agents_page(flt, after=after, size=PAGE_SIZE, now=now)
+    shown = numbers if numbers is not None and numbers.allowed(request.user) else None
+    sort = request.GET.get("sort", "")
+    if shown is None or sort not in shown.sorts:
+        sort = ""
+    if sort:
+        page, cells = shown.agents_page(flt, sort=sort, after=after, size=PAGE_SIZE, now=now)
+    else:
+        page = agents_page(flt, after=after, size=PAGE_SIZE, now=now)
+        cells = shown.cells([a.agent_id for a in page.agents], now=now) if shown else {}
     loads = agents_load(page.agents)
     for agent in page.agents:
         agent.load = loads[agent.agent_id]
+        agent.numbers = cells.get(agent.agent_id)
     query = flt.as_query()
+    paging = {**query, "sort": sort} if sort else query
     context = {
         # Written by the MQTT bridge (messages app) when the broker reports dropped messages.
         "broker_drops": cache.get("broker-drops"),
         "agents": page.agents, "total": agents_filter(flt, now=now).count(),
         "after": after, "after_query": urlencode({"after": after}),
-        "next_query": urlencode({**query, "after": page.next_cursor}) if page.next_cursor
-        else "", "first_query": urlencode(query),
+        "next_query": urlencode({**paging, "after": page.next_cursor}) if page.next_cursor
+        else "", "first_query": urlencode(paging),
         "counts": roster_counts(now=now), "flt": flt, "query": query,
         "choices": filter_choices(), "now": now, "load_meaning": LOAD_MEANING,
+        "numbers": shown is not None, "sort": sort,
+        "numbers_window": shown.window_label if shown else "",
+        "numbers_minutes": shown.window_minutes if shown else 0,
+        "sort_words": shown.sorts[sort] if sort else "",
+        "sort_links": _sort_links(shown, query, sort) if shown else {},
+        "unsorted_query": urlencode(query),
     }
     if request.htmx and request.htmx.target == "roster-live":
         return render(request, "roster/_health_live.html", context)

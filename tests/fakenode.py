@@ -73,6 +73,7 @@ class FakeNode:
         self.sent: Counter = Counter()  # message type → count
         self.publish_errors: Counter = Counter()
         self.duplicates = 0
+        self.canceled: list[str | None] = []  # the cancelFor of every CANCEL it was sent
         self.connects: list[tuple[float, bool]] = []  # (time, session present)
         self.disconnects = 0
         self.subscribed = threading.Event()
@@ -265,6 +266,12 @@ class FakeNode:
             self.received["rejected"] += 1
             return
         self.received[str(env.message_type)] += 1
+        if env.message_type == MT.CANCEL:
+            # PROTOCOL.md: a receiver that knows the type answers ACK; this node cannot stop
+            # work already running, so it says so (its response still comes).
+            self.canceled.append(env.headers.get("cancelFor"))
+            self._reply(env, MT.ACK, {"stopped": False}, ackFor=env.message_id)
+            return
         if env.message_type != MT.TASK_REQUEST:
             return  # ACKs of our responses and anything else: counted, nothing to do
         if not env.reply_node_id:

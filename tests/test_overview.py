@@ -10,9 +10,12 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
+from alarms.evaluate import alarms_evaluate
 from directory.coverage import capability_coverage
 from messages.models import Direction, Message, Status
-from messages.stats import message_stats, percentile_cont, stats_forget
+from messages.rollups import rollups_fold
+from messages.state import Change, changes_apply, messages_insert_new
+from messages.stats import message_stats, percentile_cont
 from reachconsole.charts import bar_chart, line_chart
 from roster import services
 from roster.models import ClusterNode
@@ -20,14 +23,6 @@ from roster.selectors import node_summary
 from tests.conftest import logged_in, register, staff_user
 
 STEP = 15
-
-
-@pytest.fixture(autouse=True)
-def _no_kept_counts_of_earlier_tests():
-    """The page keeps settled buckets' counts in the cache, which tests of this run share."""
-    moment = int(timezone.now().timestamp())
-    for step in (15, 60):
-        stats_forget(step_s=step, buckets=range(moment // step - 130, moment // step + 10))
 
 
 def _aligned_now() -> datetime:
@@ -38,10 +33,13 @@ def _aligned_now() -> datetime:
 
 def row(*, at: datetime, status: str = Status.ACKED, message_type: str = "TASK_REQUEST",
         direction: str = Direction.SEND, **fields) -> Message:
-    return Message.objects.create(
+    """A row as the writers store it: counted by the ledger as it is inserted."""
+    message = Message(
         message_id=str(uuid.uuid4()), task_id=fields.pop("task_id", str(uuid.uuid4())),
         message_type=message_type, direction=direction, status=status, created_at=at,
         updated_at=at, to_agent_id=fields.pop("to_agent_id", "fin.tax"), **fields)
+    (stored,) = messages_insert_new([message])
+    return stored
 
 
 def acked(*, at: datetime, latency_ms: float) -> Message:
@@ -97,19 +95,21 @@ def test_it_computes_latency_percentiles_from_publish_to_ack():
 
     stats = message_stats(minutes=15, step_s=STEP, now=now)
 
+    # From the histogram (reachconsole.core.metrics.LATENCY_BUCKETS_S), placed linearly
+    # inside the bucket that holds the rank, as Prometheus's histogram_quantile does.
     previous = stats.buckets[-2]
     assert previous.acked == 10
-    assert previous.p(0.5) == pytest.approx(0.055)  # between 50 and 60 ms
-    assert previous.p(0.95) == pytest.approx(0.0955)
-    assert previous.p(0.99) == pytest.approx(0.0991)
-    assert stats.buckets[-1].p(0.5) == pytest.approx(0.4)
+    assert previous.p(0.5) == pytest.approx(0.05)  # 3 of 10 in 25–50 ms, 2 below
+    assert previous.p(0.95) == pytest.approx(0.095)  # 5 of 10 in 50–100 ms
+    assert previous.p(0.99) == pytest.approx(0.099)
+    assert stats.buckets[-1].p(0.5) == pytest.approx(0.375)  # 400 ms: in 250–500 ms
     assert stats.buckets[-3].p(0.5) is None  # no value: a gap, not a zero
-    assert stats.buckets[-41].p(0.5) == pytest.approx(0.9)
+    assert stats.buckets[-41].p(0.5) == pytest.approx(0.75)  # 900 ms: in 0.5–1 s
     # The headline is over every value of the last 5 minutes, not an average of buckets'.
     assert stats.latency_since == stats.buckets[-20].start
     assert stats.totals.acked == 11
-    assert stats.totals.p(0.5) == pytest.approx(0.06)
-    assert stats.totals.p(0.99) == pytest.approx(0.1 + 0.9 * 0.3)
+    assert stats.totals.p(0.5) == pytest.approx(0.055)
+    assert stats.totals.p(0.99) == pytest.approx(0.25 + 0.25 * 0.89)
 
 
 @pytest.mark.django_db
@@ -123,30 +123,35 @@ def test_it_buckets_the_hour_per_minute():
 
     assert len(stats.buckets) == 60
     assert stats.totals.messages == 2 and stats.totals.busy == 1
-    assert stats.buckets[-31].acked == 1 and stats.buckets[-31].p(0.95) == pytest.approx(0.02)
+    assert stats.buckets[-31].acked == 1
+    assert stats.buckets[-31].p(0.95) == pytest.approx(0.01 + 0.015 * 0.95)  # in 10–25 ms
     assert stats.totals.acked == 0 and stats.totals.p(0.5) is None  # none in the last 5 min
     with pytest.raises(ValueError):
         message_stats(minutes=15, step_s=7, now=now)
 
 
 @pytest.mark.django_db
-def test_settled_buckets_are_counted_once_and_kept_for_a_minute():
+def test_a_row_that_moves_is_counted_in_its_new_status_in_the_bucket_it_was_sent_in():
     now = _aligned_now()
-    settled = now - timedelta(minutes=5)
-    row(at=settled, status=Status.BUSY)
-    acked(at=settled, latency_ms=30)
-    acked(at=now, latency_ms=50)
-    first = message_stats(minutes=15, step_s=STEP, now=now, keep=True)
-    assert first.totals.busy == 1 and first.buckets[-21].p(0.5) == pytest.approx(0.03)
+    sent = now - timedelta(minutes=5)
+    waiting = row(at=sent, status=Status.ACKED, published_at=sent,
+                  acked_at=sent + timedelta(milliseconds=30))
+    row(at=sent, status=Status.BUSY)
+    first = message_stats(minutes=15, step_s=STEP, now=now)
+    assert (first.totals.busy, first.totals.expired, first.totals.task_errors) == (1, 0, 0)
 
-    row(at=settled, status=Status.BUSY)  # in a bucket another read has just counted
-    row(at=now, status=Status.BUSY)  # the newest minutes are always read from the table
-    kept = message_stats(minutes=15, step_s=STEP, now=now, keep=True)
+    changes_apply([Change(pk=waiting.pk, to=Status.EXPIRED, actor="sweeper", reason="late",
+                          fields={"error": "acknowledged, no response", "finished_at": now})],
+                  now=now)
+    later = message_stats(minutes=15, step_s=STEP, now=now)
 
-    assert kept.totals.busy == 2
-    assert kept.buckets[-21].p(0.5) == pytest.approx(0.03)
-    assert kept.totals.acked == 1 and kept.totals.p(0.5) == pytest.approx(0.05)
-    assert message_stats(minutes=15, step_s=STEP, now=now).totals.busy == 3
+    assert (later.totals.busy, later.totals.expired) == (1, 1)
+    assert later.buckets[-21].expired == 1 and later.buckets[-1].expired == 0
+    assert later.buckets[-21].acked == 1  # its publish → ACK time stays counted
+    # Beat folds the rows of each key into one: the numbers stay as they were.
+    folded = rollups_fold(now=now)
+    assert folded.read > folded.written > 0
+    assert message_stats(minutes=15, step_s=STEP, now=now).totals == later.totals
 
 
 def test_percentile_cont_interpolates_like_postgresql():
@@ -199,6 +204,7 @@ def test_the_page_shows_the_numbers_and_the_alarm_first(viewer):
     now = timezone.now()
     row(at=now - timedelta(seconds=20), status=Status.UNDELIVERABLE)
     acked(at=now - timedelta(seconds=20), latency_ms=42)
+    alarms_evaluate()  # what beat does every few seconds: the strip shows the alarm records
 
     response = viewer.get("/overview/")
 
@@ -206,14 +212,20 @@ def test_the_page_shows_the_numbers_and_the_alarm_first(viewer):
     html = response.content.decode()
     assert html.index('data-uncovered="audit"') < html.index('data-tile="rate"')
     assert 'data-uncovered="tax"' not in html
+    assert "No agent can take capability:audit" in html
     assert '<b data-agents="online">1</b>' in html and '<b data-agents="draining">1</b>' in html
     assert 'data-stream="/ws/timeline/"' in html
     assert 'hx-trigger="reach:overview-refresh from:body' in html and "js/overview.js" in html
     tile = html[html.index('data-tile="undeliverable"'):]
     assert '<b data-value>1</b>' in tile[:tile.index("</article>")]
     latency = html[html.index('data-tile="latency"'):]
-    assert "<b data-value>42 / 42 / 42</b>" in latency[:latency.index("</article>")]
-    assert html.count('role="img"') == 8 and "<title id=\"chart-rate-title\">" in html
+    # 42 ms lies in the 25–50 ms bucket: the percentiles are placed inside it.
+    assert "<b data-value>38 / 49 / 50</b>" in latency[:latency.index("</article>")]
+    answer = html[html.index('data-tile="answer"'):]
+    assert "<b data-value>– / – / –</b>" in answer[:answer.index("</article>")]  # none yet
+    assert html.count('role="img"') == 11
+    assert "publish → ACK: 5 ms, 10 ms, 25 ms, 50 ms, 100 ms, 250 ms, 500 ms, 1 s" in html
+    assert "<title id=\"chart-rate-title\">" in html
 
 
 @pytest.mark.django_db
@@ -247,3 +259,23 @@ def test_charts_scale_to_the_peak_and_break_lines_at_gaps():
                        height=10)
     assert len(lines.lines[0].runs) == 2  # a lone point, then a pair
     assert bar_chart([0, 0], title="t", summary="s").empty
+
+
+@pytest.mark.django_db
+def test_numbers_are_counted_again_from_rows_written_around_the_services():
+    now = _aligned_now()
+    row(at=now - timedelta(minutes=3), status=Status.BUSY)  # counted as it was written
+    for _ in range(2):  # written around the ledger, as a console that kept no numbers did
+        at = now - timedelta(minutes=1)
+        Message.objects.create(message_id=str(uuid.uuid4()), task_id="t", created_at=at,
+                               updated_at=at, message_type="TASK_REQUEST",
+                               direction=Direction.SEND, status=Status.EXPIRED,
+                               to_agent_id="fin.tax")
+    assert message_stats(minutes=15, step_s=STEP, now=now).totals.expired == 0
+
+    from django.core.management import call_command
+
+    call_command("rollups_rebuild", "--hours", "1")
+
+    stats = message_stats(minutes=15, step_s=STEP, now=now)
+    assert (stats.totals.expired, stats.totals.busy, stats.totals.messages) == (2, 1, 3)

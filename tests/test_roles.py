@@ -24,17 +24,27 @@ from tests.conftest import logged_in, register
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
-MIGRATION = "reachconsole.core.migrations.0002_roles"
+# Every migration that grants the roles their permissions, in the order migrate runs them:
+# (app label, migration, its forward function, its backward function).
+MIGRATIONS = [
+    ("core", "0002_roles", "roles_create", "roles_remove"),
+    ("a2a", "0007_operators_cancel", "operators_may_cancel", "operators_may_not_cancel"),
+    ("alarms", "0002_roles", "roles_grant", "roles_revoke"),
+]
 
 
 def roles_migrate(direction: str = "forward") -> None:
-    """Run the roles migration's own code again, on the models as that migration sees them
-    (a flush by a transactional test also empties the groups it made)."""
-    module = importlib.import_module(MIGRATION)
-    state_apps = MigrationLoader(connection).project_state(("core", "0002_roles")).apps
+    """Run the roles migrations' own code again, on the models as each migration sees them
+    (a flush by a transactional test also empties the groups they made); backward in the
+    reverse order, as migrate would."""
+    loader = MigrationLoader(connection)
     # RunPython hands its functions a schema editor; they use only its connection.
     editor = SimpleNamespace(connection=connection)
-    (module.roles_create if direction == "forward" else module.roles_remove)(state_apps, editor)
+    steps = MIGRATIONS if direction == "forward" else MIGRATIONS[::-1]
+    for app_label, name, forward, backward in steps:
+        module = importlib.import_module(loader.get_migration(app_label, name).__module__)
+        state_apps = loader.project_state((app_label, name)).apps
+        getattr(module, forward if direction == "forward" else backward)(state_apps, editor)
 
 
 def member(username: str, group: str) -> User:
@@ -103,7 +113,9 @@ def test_group_members_hold_exactly_their_roles_permissions():
 def pages(world) -> list[str]:
     return [
         "/", "/overview/", "/cluster/", "/messages/", "/audit/", "/directory/resolve/",
+        "/alarms/", "/tasks/", "/tasks/export.csv",
         f"/agents/{world.agent.agent_id}/",
+        f"/messages/agents/{world.agent.agent_id}/stats/",
         f"/messages/{world.failed.message_id}/",
         f"/messages/agents/{world.agent.agent_id}/load/",
     ]
@@ -120,6 +132,9 @@ def actions(world) -> list[tuple[str, dict]]:
         (reverse("roster:reconcile"), {}),
         (reverse("roster:node_drain", args=[node_id]), {}),
         (reverse("roster:node_retire", args=[node_id]), {"retired": "1"}),
+        (reverse("tasks:cancel", args=[world.failed.task_id]), {"reason": "x"}),
+        (reverse("tasks:cancel_bulk"), {"status": "SENT", "up_to": "1", "reason": "x"}),
+        (reverse("alarms:ack", args=[1]), {"note": "x"}),
     ]
 
 

@@ -28,9 +28,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -334,6 +336,18 @@ def _post(base_url: str, token: str, path: str, body: dict) -> tuple[int, dict]:
         return exc.code, {"error": exc.read()[:500].decode(errors="replace")}
 
 
+def _get(base_url: str, token: str, path: str, params: dict) -> tuple[int, Any]:
+    query = urllib.parse.urlencode(params, doseq=True)
+    request = urllib.request.Request(
+        f"{base_url}{path}{'?' + query if query else ''}",
+        headers={"Authorization": f"Bearer {token}", "X-OODER-Source": "studio"})
+    try:
+        with urllib.request.urlopen(request, timeout=15) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, {"error": exc.read()[:500].decode(errors="replace")}
+
+
 def test_sends_taken_by_one_daphne_are_published_by_a_bridge_and_run_once(stack):
     node = FakeNode(base_url=stack.base_url2, token=stack.token, mqtt_host=HOST,
                     mqtt_port=stack.mqtt_port, prefix=stack.prefix, node_id="node-t",
@@ -358,8 +372,122 @@ def test_sends_taken_by_one_daphne_are_published_by_a_bridge_and_run_once(stack)
         assert len(rows) == len(task_ids)  # one attempt each: nothing was sent twice
         assert node.executed_twice() == {}
         assert sum(node.executions_by_task[t] for t in task_ids) == len(task_ids)
+        # The task list and the numbers, kept by whichever bridge wrote the rows, read on
+        # the other Daphne.
+        status, tasks = _get(stack.base_url2, stack.token, "/api/a2a/tasks",
+                             {"agent": "topo.worker", "limit": 100})
+        assert status == 200
+        ours = [t for t in tasks if t["taskId"] in task_ids]
+        assert len(ours) == len(task_ids)
+        assert {(t["status"], t["attempts"], t["answeredBy"]) for t in ours} == {
+            ("COMPLETED", 1, "node-t")}
+        status, stats = _get(stack.base_url, stack.token, "/api/ops/agents/topo.worker/stats",
+                             {"window": "5m"})
+        assert status == 200
+        assert (stats["tasks"], stats["completed"], stats["answered"]) == (
+            len(task_ids), len(task_ids), len(task_ids))
+        assert stats["successRate"] == 1.0 and stats["sentToAnsweredMs"]["p95"] is not None
     finally:
         node.stop()
+
+
+def test_a_cancel_on_one_daphne_ends_the_task_and_tells_its_node(stack):
+    # A node that takes its time: the task is on the bus (ACKED) when it is canceled.
+    node = FakeNode(base_url=stack.base_url, token=stack.token, mqtt_host=HOST,
+                    mqtt_port=stack.mqtt_port, prefix=stack.prefix, node_id="node-slow",
+                    agents=["topo.slow"], work_s=3.0, heartbeat_s=0.5)
+    node.start()
+    try:
+        task_id = f"topo-cancel-{uuid.uuid4().hex[:8]}"
+        status, body = _post(stack.base_url, stack.token, "/api/a2a/send",
+                             {"to": "topo.slow", "taskId": task_id, "timeoutMs": 60000})
+        assert status == 202, body
+
+        def acked():
+            rows = _sql(stack, "SELECT status FROM a2a_message WHERE task_id = %s "
+                               "AND message_type = 'TASK_REQUEST'", (task_id,))
+            return rows if rows and rows[0][0] == "ACKED" else None
+
+        _wait(acked, 30, "the task acknowledged by its node")
+        status, body = _post(stack.base_url2, stack.token, f"/api/a2a/tasks/{task_id}/cancel",
+                             {"reason": "topology drill"})
+        assert status == 200, body
+        assert body["status"] == "CANCELED" and body["cancelSentTo"] == ["node-slow"]
+        _wait(lambda: node.canceled == [task_id] or None, 30, "the node told with CANCEL")
+
+        def answered_late():
+            rows = _sql(stack, "SELECT count(*) FROM a2a_message r JOIN a2a_message q "
+                               "ON r.in_reply_to = q.message_id WHERE q.task_id = %s "
+                               "AND r.message_type = 'TASK_RESPONSE'", (task_id,))
+            return rows[0][0] or None
+
+        _wait(answered_late, 30, "the node's late response recorded")
+        (row,) = _sql(stack, "SELECT status, error FROM a2a_message WHERE task_id = %s "
+                             "AND message_type = 'TASK_REQUEST'", (task_id,))
+        assert row[0] == "CANCELED" and row[1].endswith(": topology drill")
+        status, task = _get(stack.base_url, stack.token, f"/api/a2a/tasks/{task_id}", {})
+        assert status == 200 and task["status"] == "CANCELED"
+        kinds = [m["messageType"] for m in task["messages"]]
+        assert {"TASK_REQUEST", "CANCEL", "TASK_RESPONSE"} <= set(kinds)
+        status, again = _post(stack.base_url, stack.token, f"/api/a2a/tasks/{task_id}/cancel",
+                              {})
+        assert status == 409
+    finally:
+        node.stop()
+
+
+def test_a_silent_node_raises_one_alarm_with_its_children_and_it_clears(stack):
+    """Beat's alarm evaluation in production shape: a node that stops heartbeating goes
+    DOWN, raising one node_down alarm with the capability only it offered as its child, once
+    however many evaluations run; the node back clears both, into the history."""
+    def make_node() -> FakeNode:
+        return FakeNode(base_url=stack.base_url, token=stack.token, mqtt_host=HOST,
+                        mqtt_port=stack.mqtt_port, prefix=stack.prefix, node_id="node-solo",
+                        agents=["topo.solo"], heartbeat_s=0.5)
+
+    def alarms(state: str = "active") -> list[dict]:
+        status, body = _get(stack.base_url2, stack.token, "/api/ops/alarms", {"state": state})
+        assert status == 200, body
+        return [a for a in body if a["subject"] in ("node-solo", "solo")]
+
+    def heard() -> bool:
+        status, nodes = _get(stack.base_url, stack.token, "/api/cluster/nodes", {})
+        assert status == 200, nodes
+        return any(n["nodeId"] == "node-solo" and n["status"] == "ONLINE" and n["lastSeen"]
+                   for n in nodes)
+
+    node = make_node().start()
+    # Its heartbeats heard (registration alone makes a node without a last-seen time).
+    _wait(lambda: heard() or None, 30, "the node's heartbeats heard")
+    node.stop()  # silent from here on
+
+    def raised():
+        found = alarms()
+        kinds = {a["kind"] for a in found}
+        return found if {"node_down", "capability_uncovered"} <= kinds else None
+
+    try:
+        found = _wait(raised, 60, "the silent node's alarm and its child")
+    except StackError as exc:
+        nodes = _sql(stack, "SELECT node_id, status, last_seen_at, heartbeat_ms, now() "
+                            "FROM roster_clusternode")
+        hearing = _sql(stack, "SELECT * FROM roster_bushearing")
+        raise AssertionError(f"{exc}; nodes {nodes}; hearing {hearing}; "
+                             f"alarms {alarms('all')}") from None
+    time.sleep(6)  # more evaluations of beat: nothing fires twice
+    found = alarms()
+    (down,) = [a for a in found if a["kind"] == "node_down"]
+    (child,) = [a for a in found if a["kind"] == "capability_uncovered"]
+    assert down["subject"] == "node-solo" and down["parentId"] is None
+    assert child["subject"] == "solo" and child["parentId"] == down["id"]
+
+    back = make_node().start()  # heartbeats again: the node is up, its agent live
+    try:
+        _wait(lambda: not alarms() or None, 60, "the alarms cleared")
+        history = {a["id"]: a for a in alarms("all")}
+        assert history[down["id"]]["clearedAt"] and history[child["id"]]["clearedAt"]
+    finally:
+        back.stop()
 
 
 def _beat_runs(path) -> int:

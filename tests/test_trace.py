@@ -14,7 +14,7 @@ from django.test.utils import CaptureQueriesContext
 
 from messages import protocol
 from messages.inbound import Incoming, messages_ingest
-from messages.models import Message, Status
+from messages.models import Message, Status, Task
 from messages.outbound import SendRequest, message_send
 from messages.selectors import task_trace
 from messages.state import LATE_PUBACK, late_pubacks_record
@@ -132,6 +132,8 @@ def test_a_late_puback_never_leaves_a_failed_row_saying_it_was_not_published(vie
     row.refresh_from_db()
     assert row.published_at == took
     assert row.error == LATE_PUBACK.format(at=took)
+    # Its task says the same words.
+    assert Task.objects.get(task_id=row.task_id).error == row.error
     html = viewer.get(f"/messages/{row.message_id}/").content.decode()
     error = html.split('id="message-error">', 1)[1].split("</p>", 1)[0]
     assert "not published" in error and "the broker took it at" in error

@@ -18,19 +18,22 @@ VIEWER_PERMISSIONS = [
     ("roster", "view_agent"),
     ("roster", "view_clusternode"),
     ("a2a", "view_message"),
+    ("alarms", "view_alarm"),         # alarms/migrations/0002_roles.py
 ]
 OPERATOR_PERMISSIONS = VIEWER_PERMISSIONS + [
     ("a2a", "resend_message"),
+    ("a2a", "cancel_task"),           # cancel a task, or a filtered set of open tasks
     ("roster", "change_agent"),       # drain, undrain, deregister one agent
     ("roster", "drain_agent"),
     ("roster", "reconcile_cluster"),
     ("roster", "manage_node"),        # drain or retire a whole node
+    ("alarms", "acknowledge_alarm"),
 ]
 
 ACTION_REFUSED = (
     "Only operators can act on the console (resend, drain, undrain, deregister, reconcile, "
-    "drain or retire nodes). You are signed in as {user}, who may look but not act: an "
-    "operator or an admin can add you to the operator group."
+    "drain or retire nodes, acknowledge alarms). You are signed in as {user}, who may look "
+    "but not act: an operator or an admin can add you to the operator group."
 )
 
 

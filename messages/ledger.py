@@ -1,0 +1,394 @@
+"""What is kept as `a2a_message` rows are written, in the same transaction as the rows:
+
+- the **task** each request belongs to (`a2a_task`, messages.models.Task): its outcome, last
+  attempt, attempts and who answered, so the task list is a keyset read;
+- the **numbers** per time bucket for the console, each agent and each node (`a2a_rollup`,
+  messages.models.Rollup): rows by status, retries, duplicates, and latency histograms, so
+  the overview, the stats and the alarms cost the same at a thousand and at a million rows
+  in their window.
+
+Every writer of message rows reports what it wrote (`Ledger.inserted`, `Ledger.moved`) and
+calls `Ledger.write()` before its transaction ends: messages.state (ingest and every status
+change) and messages.outbound (sends).
+
+A row is counted in the bucket it was created in, with the status it has now: a move takes
+one from its old status and adds one to its new one, in that same bucket (a request sent at
+10:01 and found EXPIRED at 10:02 is an EXPIRED of 10:01), as the overview always counted.
+
+Lock order (messages/load.py): rollup rows are only inserted, never updated by writers, so
+they take no lock; task rows are upserted last, after the load rows, in key order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from django.conf import settings
+from django.db import connection
+
+from messages.models import ANSWERED_STATUSES, Direction, Rollup, Status, Task
+from reachconsole.core.metrics import LATENCY_BUCKETS_S
+
+TASK_REQUEST = "TASK_REQUEST"
+ALL, AGENT, NODE = "*", "a", "n"
+# Bucket widths: the console's own numbers at 15 s (the overview's charts), every scope's at
+# a minute and an hour (stats over 5 minutes to 24 hours read at most ~360 buckets a key).
+STEPS_ALL = (15, 60, 3600)
+STEPS_SCOPED = (60, 3600)
+# sent → answered, in seconds: from a loopback round trip to a long task.
+ANSWER_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+# Statuses a row is counted in while it has them: the ends, and the two waits an operator
+# reads (ACKED: accepted, no response yet; RETRYING). SENT, PUBLISHED, RECV and OBSERVED
+# last milliseconds and RETRIED closes an attempt that a newer one replaced: not counted.
+COUNTED = frozenset({
+    Status.ACKED, Status.RETRYING, Status.COMPLETED, Status.TASK_ERROR, Status.NACKED,
+    Status.BUSY, Status.UNDELIVERABLE, Status.FAILED, Status.EXPIRED, Status.CANCELED,
+    Status.LOCAL_CONSUMED,
+})
+# A task that has one of these keeps it: a late answer or a retry of an older attempt never
+# reopens it (a new attempt after TASK_ERROR, a resend, does).
+KEPT_OUTCOMES = (Status.COMPLETED, Status.CANCELED)
+
+
+_STATUS_METRICS = {status: f"s:{status}" for status in Status.values}
+
+
+def status_metric(status: str) -> str:
+    return _STATUS_METRICS.get(status) or f"s:{status}"
+
+
+def _histogram_index(bounds: tuple[float, ...], seconds: float) -> int:
+    """The bucket a value falls in: the first bound that holds it (len(bounds): +Inf)."""
+    return bisect.bisect_left(bounds, seconds)
+
+
+def group_member_key(task_id: str, agent_id: str) -> str:
+    """The idempotency key of one member's copy of a group send: each member executes its
+    own copy, and each copy is a task of its own."""
+    key = f"{task_id}:{agent_id}"
+    if len(key) > 200:  # the column's size; a digest keeps it unique per member
+        key = f"{task_id[:100]}:{hashlib.sha256(key.encode()).hexdigest()}"
+    return key
+
+
+def task_key(row) -> tuple[str, str, str]:
+    """(direction, task id, member) of a request row: a request without a task id is a task
+    of its own, named by its message id."""
+    task_id = row.task_id or row.message_id
+    member = ""
+    if row.idempotency_key and row.to_agent_id and row.idempotency_key == group_member_key(
+            task_id, row.to_agent_id):
+        member = row.to_agent_id
+    return row.direction, task_id, member
+
+
+def task_status(row) -> str:
+    """A request row's status as its task's outcome: a console agent's in-process answer is
+    COMPLETED, or TASK_ERROR when its handler failed."""
+    if row.status == Status.LOCAL_CONSUMED:
+        return Status.TASK_ERROR if row.error else Status.COMPLETED
+    return row.status
+
+
+@dataclass
+class TaskDelta:
+    key: tuple[str, str, str]
+    status: str
+    message_id: str
+    attempts: int  # transmissions added (0 for a status change)
+    to_agent_id: str
+    from_agent_id: str
+    target_node_id: str
+    conversation_id: str
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+    error: str
+    answered_by: str
+
+
+@dataclass
+class Ledger:
+    """The counts and task changes of the rows one transaction writes."""
+
+    counts: Counter = field(default_factory=Counter)
+    tasks: list[TaskDelta] = field(default_factory=list)
+
+    # --- what happened ------------------------------------------------------------------
+    def inserted(self, rows, *, tasks: bool = True) -> None:
+        """New rows, in the status they were stored with (a send already routed); `tasks`:
+        whether they make or move tasks (a rebuild of the numbers leaves tasks alone)."""
+        for row in rows:
+            at = row.created_at
+            self._add(ALL, "", at, "messages")
+            request = row.message_type == TASK_REQUEST
+            if row.message_type == "ACK":
+                payload = getattr(row, "wire_payload", None) or row.payload
+                if isinstance(payload, dict) and payload.get("duplicate") is True:
+                    self._add(ALL, "", at, "duplicates")
+            if row.held:
+                self._add(ALL, "", at, "held")
+            status = row.status if row.status in COUNTED else None
+            if status:
+                self._add(ALL, "", at, status_metric(status))
+            if not request:
+                continue
+            starts = row.attempt == 1 and row.resend_of_id is None
+            retry = row.direction == Direction.SEND and row.attempt > 1
+            subjects = self._subjects(row)
+            for scope, subject in subjects:
+                self._add(scope, subject, at, "requests")
+                if starts:
+                    self._add(scope, subject, at, "tasks")
+                if retry:
+                    self._add(scope, subject, at, "retries")
+                if status and scope != ALL:
+                    self._add(scope, subject, at, status_metric(status))
+            self._latencies(row, previous="", subjects=subjects)
+            if tasks:
+                self._task(row, attempts=1, answered_by=self._answerer(row, ""))
+
+    def moved(self, row, *, previous: str, answered_by: str = "") -> None:
+        """`row` (with its new values) moved from `previous`."""
+        at = row.created_at
+        request = row.message_type == TASK_REQUEST
+        subjects = self._subjects(row) if request else [(ALL, "")]
+        for scope, subject in subjects:
+            if previous in COUNTED:
+                self._add(scope, subject, at, status_metric(previous), -1)
+            if row.status in COUNTED:
+                self._add(scope, subject, at, status_metric(row.status))
+        if not request:
+            return
+        self._latencies(row, previous=previous, subjects=subjects)
+        if row.status != Status.RETRIED:  # the new attempt carries the task on
+            self._task(row, attempts=0, answered_by=self._answerer(row, answered_by))
+
+    def reworded(self, rows) -> None:
+        """Request rows whose words changed but not their status (a late PUBACK's): their
+        tasks show the same words."""
+        for row in rows:
+            if row.message_type == TASK_REQUEST:
+                self._task(row, attempts=0, answered_by="")
+
+    def _latencies(self, row, *, previous: str, subjects: list[tuple[str, str]]) -> None:
+        at = row.created_at
+        if (row.direction == Direction.SEND and row.status == Status.ACKED
+                and previous not in ANSWERED_STATUSES and row.published_at and row.acked_at):
+            # publish → ACK, once per transmission, as reach_delivery_latency_seconds has it.
+            seconds = max(0.0, (row.acked_at - row.published_at).total_seconds())
+            index = _histogram_index(LATENCY_BUCKETS_S, seconds)
+            for scope, subject in subjects:
+                self._add(scope, subject, at, f"lat:{index}")
+        if row.status in (Status.COMPLETED, Status.TASK_ERROR) and previous not in (
+                Status.COMPLETED, Status.TASK_ERROR):
+            # sent (or first seen) → answered.
+            seconds = max(0.0, ((row.finished_at or row.updated_at) - at).total_seconds())
+            index = _histogram_index(ANSWER_BUCKETS_S, seconds)
+            for scope, subject in subjects:
+                self._add(scope, subject, at, f"ans:{index}")
+
+    # --- kept ---------------------------------------------------------------------------
+    def write(self) -> None:
+        """Write what was collected, inside the caller's transaction, and start afresh."""
+        if self.counts:
+            _rollups_insert(self.counts)
+            self.counts = Counter()
+        if self.tasks:
+            _tasks_upsert(self.tasks)
+            self.tasks = []
+
+    # --- helpers ------------------------------------------------------------------------
+    @staticmethod
+    def _subjects(row) -> list[tuple[str, str]]:
+        subjects = [(ALL, "")]
+        if row.to_agent_id:
+            subjects.append((AGENT, row.to_agent_id))
+        if row.target_node_id:
+            subjects.append((NODE, row.target_node_id))
+        return subjects
+
+    def _add(self, scope: str, subject: str, at: datetime, metric: str, n: int = 1) -> None:
+        # Keyed by the moment itself, put into buckets once at write: the rows of one batch
+        # share their `now`, so a batch of hundreds adds up to a few dozen keys.
+        self.counts[(scope, subject, metric, at)] += n
+
+    @staticmethod
+    def _answerer(row, heard_from: str) -> str:
+        if row.status == Status.LOCAL_CONSUMED:
+            return settings.REACH_NODE_ID
+        if row.status in (Status.COMPLETED, Status.TASK_ERROR):
+            return heard_from or row.target_node_id
+        return ""
+
+    def _task(self, row, *, attempts: int, answered_by: str) -> None:
+        self.tasks.append(TaskDelta(
+            key=task_key(row), status=task_status(row), message_id=row.message_id,
+            attempts=attempts, to_agent_id=row.to_agent_id, from_agent_id=row.from_agent_id,
+            target_node_id=row.target_node_id, conversation_id=row.conversation_id,
+            created_at=row.created_at, updated_at=row.updated_at,
+            finished_at=row.finished_at, error=row.error or "", answered_by=answered_by))
+
+
+# --- the writes -----------------------------------------------------------------------------
+# On PostgreSQL a batch goes as one JSON document, turned into rows by the database (as
+# messages.state inserts messages): binding 15 parameters a row cost more than the upsert.
+_ROLLUP_COLUMNS = ("step", "bucket", "scope", "subject", "metric", "n", "folded")
+
+
+def _in_buckets(counts: Counter) -> Counter:
+    """(scope, subject, metric, moment) → n, as (step, bucket, scope, subject, metric) → n
+    for every width that scope is kept at."""
+    out: Counter = Counter()
+    epochs: dict[int, int] = {}
+    for (scope, subject, metric, at), n in counts.items():
+        if not n:
+            continue
+        epoch = epochs.get(id(at))
+        if epoch is None:
+            epoch = epochs[id(at)] = int(at.timestamp())
+        for step in STEPS_ALL if scope == ALL else STEPS_SCOPED:
+            out[(step, epoch // step, scope, subject, metric)] += n
+    return out
+
+
+def _rollups_insert(counts: Counter) -> None:
+    rows = [(step, bucket, scope, subject, metric, n, False)
+            for (step, bucket, scope, subject, metric), n in sorted(_in_buckets(counts).items())
+            if n]
+    if not rows:
+        return
+    if connection.vendor != "postgresql":
+        Rollup.objects.bulk_create([Rollup(**dict(zip(_ROLLUP_COLUMNS, r, strict=True)))
+                                    for r in rows])
+        return
+    t = Rollup._meta.db_table
+    columns = ", ".join(_ROLLUP_COLUMNS)
+    with connection.cursor() as cursor:
+        # Only fixed column names are interpolated; the rows are one parameter.
+        cursor.execute(
+            f"INSERT INTO {t} ({columns}) SELECT {columns} FROM json_to_recordset(%s::json) "  # noqa: S608
+            "AS r(step integer, bucket bigint, scope text, subject text, metric text, n bigint, "
+            "folded boolean)",
+            [json.dumps([dict(zip(_ROLLUP_COLUMNS, r, strict=True)) for r in rows],
+                        separators=(",", ":"))])
+
+
+# --- the task upsert ------------------------------------------------------------------------
+_TASK_COLUMNS = ("task_id", "direction", "member", "status", "last_message_id", "attempts",
+                 "to_agent_id", "from_agent_id", "target_node_id", "conversation_id",
+                 "created_at", "updated_at", "finished_at", "error", "answered_by")
+# 15 parameters a row: SQLite takes 32,766 in one statement.
+_TASK_CHUNK = 1000
+
+
+def _task_upsert_sql(rows: int) -> str:
+    """One statement for many tasks. The incoming change (`excluded`) gives the task its
+    outcome when it is an answer, or when it is (or concerns) the task's newest attempt;
+    a task COMPLETED or CANCELED keeps that, and one that ended TASK_ERROR keeps it until
+    a new attempt (a resend) is made."""
+    t = Task._meta.db_table
+    keep = (f"{t}.status IN ('COMPLETED', 'CANCELED') "
+            f"OR ({t}.status = 'TASK_ERROR' AND excluded.attempts = 0)")
+    take = (f"excluded.status IN ('COMPLETED', 'TASK_ERROR') OR excluded.attempts > 0 "
+            f"OR excluded.last_message_id = {t}.last_message_id")
+
+    def outcome(column: str) -> str:
+        return (f"{column} = CASE WHEN {keep} THEN {t}.{column} WHEN {take} "
+                f"THEN excluded.{column} ELSE {t}.{column} END")
+
+    taken = ["status", "last_message_id", "to_agent_id", "target_node_id", "finished_at",
+             "error", "answered_by"]
+    sets = [outcome(c) for c in taken] + [
+        f"attempts = {t}.attempts + excluded.attempts",
+        f"created_at = CASE WHEN excluded.created_at < {t}.created_at THEN excluded.created_at "
+        f"ELSE {t}.created_at END",
+        "updated_at = excluded.updated_at",
+    ]
+    conflict = " ON CONFLICT (task_id, direction, member) DO UPDATE SET " + ", ".join(sets)
+    columns = ", ".join(_TASK_COLUMNS)
+    if rows == 0:  # PostgreSQL: the rows as one JSON document
+        typed = ", ".join(f"{c} {_TASK_TYPES.get(c, 'text')}" for c in _TASK_COLUMNS)
+        # Only fixed column names are interpolated; the rows are one parameter.
+        return (f"INSERT INTO {t} ({columns}) SELECT {columns} "  # noqa: S608
+                f"FROM json_to_recordset(%s::json) AS r({typed})" + conflict)
+    one = "(" + ", ".join(["%s"] * len(_TASK_COLUMNS)) + ")"
+    # Only fixed column names are interpolated; every value is a parameter.
+    return (f"INSERT INTO {t} ({columns}) VALUES "  # noqa: S608
+            + ", ".join([one] * rows) + conflict)
+
+
+_TASK_TYPES = {"attempts": "integer", "created_at": "timestamptz", "updated_at": "timestamptz",
+               "finished_at": "timestamptz"}
+
+
+def _tasks_upsert(deltas: list[TaskDelta]) -> None:
+    """Apply the changes in the order they happened: a task changed twice in one
+    transaction (sent, then refused) gets two statements, so each sees the one before.
+    Within one statement every task appears once, in key order (the lock order)."""
+    waves: list[dict[tuple, TaskDelta]] = []
+    for delta in deltas:
+        for wave in waves:
+            if delta.key not in wave:
+                wave[delta.key] = delta
+                break
+        else:
+            waves.append({delta.key: delta})
+    # Times through the field, as Django stores them on each backend.
+    time_field = Task._meta.get_field("created_at")
+    prep = time_field.get_db_prep_save
+    with connection.cursor() as cursor:
+        for wave in waves:
+            ordered = [wave[key] for key in sorted(wave)]
+            if connection.vendor == "postgresql":
+                # A batch's rows share their moments: each is formatted once.
+                texts: dict[int, str] = {}
+
+                def iso(moment: datetime | None, texts=texts) -> str | None:
+                    if moment is None:
+                        return None
+                    text = texts.get(id(moment))
+                    if text is None:
+                        text = texts[id(moment)] = moment.isoformat()
+                    return text
+
+                cursor.execute(_task_upsert_sql(0), [json.dumps([
+                    {"task_id": d.key[1], "direction": d.key[0], "member": d.key[2],
+                     "status": d.status, "last_message_id": d.message_id,
+                     "attempts": d.attempts, "to_agent_id": d.to_agent_id,
+                     "from_agent_id": d.from_agent_id, "target_node_id": d.target_node_id,
+                     "conversation_id": d.conversation_id, "created_at": iso(d.created_at),
+                     "updated_at": iso(d.updated_at), "finished_at": iso(d.finished_at),
+                     "error": d.error, "answered_by": d.answered_by} for d in ordered],
+                    separators=(",", ":"), ensure_ascii=False)])
+                continue
+            for start in range(0, len(ordered), _TASK_CHUNK):
+                chunk = ordered[start:start + _TASK_CHUNK]
+                params: list = []
+                for d in chunk:
+                    params += [d.key[1], d.key[0], d.key[2], d.status, d.message_id,
+                               d.attempts, d.to_agent_id,
+                               d.from_agent_id, d.target_node_id, d.conversation_id,
+                               prep(d.created_at, connection), prep(d.updated_at, connection),
+                               prep(d.finished_at, connection) if d.finished_at else None,
+                               d.error, d.answered_by]
+                cursor.execute(_task_upsert_sql(len(chunk)), params)
+
+
+def tasks_rebuild(*, rows) -> int:
+    """Tasks for request rows written before tasks were kept (the migration), oldest
+    first. Returns how many rows were read."""
+    ledger = Ledger()
+    n = 0
+    for row in rows:
+        ledger._task(row, attempts=1, answered_by=Ledger._answerer(row, ""))
+        n += 1
+        if len(ledger.tasks) >= 2000:
+            ledger.write()
+    ledger.write()
+    return n
