@@ -13,8 +13,12 @@ an agent's tasks_expiring is a child of its agent_failing when both hold. Subjec
 only on retired nodes raise nothing: an operator took them out of service on purpose (and
 retiring a node clears its alarm and its children at the next evaluation).
 
-Concurrency (two beats, or a beat and a manual run): the active alarms are read FOR UPDATE,
-so a second evaluation waits for the first and then sees its work; an alarm is inserted
+Concurrency (two beats, or a beat and a manual run): each evaluation's writes take a
+transaction-scoped advisory lock first (PostgreSQL; SQLite serializes writers anyway), so a
+second evaluation waits for the first and then reads the rows it left, and the active
+alarms are read FOR UPDATE under it. The conditions are read before the lock, so the later
+of two evaluations may apply a view a moment older: the next one, seconds later, corrects
+it, and no alarm is ever two active rows. An alarm is inserted
 through the partial unique index on (kind, subject) WHERE cleared_at IS NULL with
 get-or-create semantics, so two inserts of one alarm make one row; clears are updates
 guarded on cleared_at IS NULL. Lock order: only alarm rows are locked here (the active ones
@@ -31,7 +35,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.core.cache import cache
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
@@ -272,7 +276,8 @@ def conditions_find(*, now: datetime) -> Found:
 # --- the table --------------------------------------------------------------------------
 def alarms_evaluate(*, now: datetime | None = None) -> EvaluateResult:
     """Make the alarm table say what holds now, and prune the history past its keep.
-    Safe to run twice at once: the second changes nothing the first changed."""
+    Two at once are serialized (see the module's docstring): never two active rows of one
+    alarm, never a clear or a fire done twice."""
     now = now or timezone.now()
     found = conditions_find(now=now)
     result = _apply(found, now=now)
@@ -285,7 +290,11 @@ def alarms_evaluate(*, now: datetime | None = None) -> EvaluateResult:
 def _apply(found: Found, *, now: datetime) -> EvaluateResult:
     result = EvaluateResult()
     with transaction.atomic():
-        # A second evaluation waits here until the first commits, then reads what it did.
+        # A second evaluation waits here until the first commits, then reads what it did
+        # (FOR UPDATE alone locks nothing when no alarm is active).
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(hashtext('alarms_evaluate'))")
         active: dict[Key, Alarm] = {
             (a.kind, a.subject): a for a in
             Alarm.objects.select_for_update().filter(cleared_at__isnull=True).order_by("id")}

@@ -40,6 +40,9 @@ from messages.selectors import (
 from messages.taskbook import MAX_PAGE, task_entries, task_out, task_story, tasks_page
 from reachconsole.core.apidoc import BodyIn, JsonValue, json_int, refusals
 from reachconsole.core.errors import ApiError
+from reachconsole.core.jsonsafe import NUL_CHARACTER as NUL
+from reachconsole.core.jsonsafe import WORDS
+from reachconsole.core.moments import utc_moment
 from roster.fields import AGENT_ID_INPUT_PATTERN, NAME, AgentIdInput, NodeId
 from roster.models import NAME_RE
 from roster.services import agent_id_parse
@@ -319,9 +322,15 @@ _MOMENT = re.compile(MOMENT_PATTERN)
 
 
 def _moment_check(value: str) -> str:
+    """The document's pattern is what is always within the calendar; any other date-time
+    the filters can read (the 29th to the 31st, a timezone offset) is taken too."""
     if value and not _MOMENT.match(value):
-        raise ValueError(f"{value[:40]!r} is neither minutes back (60), hours or days back "
-                         "(6h, 7d) nor a UTC date-time such as 2026-11-30T14:00")
+        try:
+            utc_moment(value)
+        except (ValueError, OverflowError):
+            raise ValueError(f"{value[:40]!r} is neither minutes back (60), hours or days "
+                             "back (6h, 7d) nor a UTC date-time such as 2026-11-30T14:00"
+                             ) from None
     return value
 
 
@@ -382,7 +391,16 @@ def tasks_list(request: HttpRequest, response: HttpResponse, query: Query[TaskQu
     return Status(200, [task_out(t) for t in page.rows])
 
 
+def _path_text(value: str, name: str) -> str:
+    """A path parameter the database can be asked about: PostgreSQL refuses a NUL."""
+    if "\x00" in value:
+        raise ApiError(422, "nul_character", WORDS[NUL].format(where=f"the {name} in the path")
+                       + ", which no id the console stores contains")
+    return value
+
+
 def _one_task(request: HttpRequest, task_id: str):
+    _path_text(task_id, "task id")
     entries = task_entries(task_id, namespaces=request.auth.token.namespaces)
     if not entries:
         raise ApiError(404, "task_not_found", f"no task {task_id[:200]} is recorded"
@@ -391,7 +409,7 @@ def _one_task(request: HttpRequest, task_id: str):
     return entries
 
 
-@router.get("/tasks/{task_id}", response={200: dict, **refusals(404)})
+@router.get("/tasks/{task_id}", response={200: dict, **refusals(404, 422)})
 def task_detail(request: HttpRequest, task_id: str):
     """The task's entry and `messages`: every row of the task, oldest first. A task id with
     several entries (a group send's members, or the same id seen in two directions) answers
@@ -412,11 +430,12 @@ class CancelIn(BodyIn):
 
 
 @router.post("/tasks/{task_id}/cancel",
-             response={200: dict, **refusals(403, 404, 409, body=True)})
+             response={200: dict, **refusals(403, 404, 409, 422, body=True)})
 def task_cancel_api(request: HttpRequest, task_id: str, body: CancelIn | None = None):
     """Every open transmission of the task ends CANCELED; nodes that may have it are sent
     CANCEL. 409 when the task is already final."""
     body = body or CancelIn()
+    _path_text(task_id, "task id")
     done = task_cancel(task_id=task_id, by=request.auth.label, reason=body.reason,
                        member=body.member, within=request.auth.token.namespaces)
     entries = task_entries(task_id)
@@ -432,11 +451,12 @@ class StatsQuery(Schema):
                                             "24 hours")
 
 
-@ops_router.get("/agents/{agent_id}/stats", response={200: dict, **refusals(400, 403)})
+@ops_router.get("/agents/{agent_id}/stats", response={200: dict, **refusals(400, 403, 422)})
 def agent_stats(request: HttpRequest, agent_id: str, query: Query[StatsQuery]):
     """Tasks sent to the agent in the window and what became of them, with publish → ACK
     and sent → answered percentiles (from histograms: see the bounds)."""
     window = window_read(query.window)
+    _path_text(agent_id, "agent id")
     namespace = namespace_of(agent_id)
     if namespace is not None:
         request.auth.require_namespace(namespace)
@@ -445,10 +465,11 @@ def agent_stats(request: HttpRequest, agent_id: str, query: Query[StatsQuery]):
     return Status(200, out)
 
 
-@ops_router.get("/nodes/{node_id}/stats", response={200: dict, **refusals(400, 403)})
+@ops_router.get("/nodes/{node_id}/stats", response={200: dict, **refusals(400, 403, 422)})
 def node_stats(request: HttpRequest, node_id: str, query: Query[StatsQuery]):
     """The same numbers for every task sent to agents on the node."""
     window = window_read(query.window)
+    _path_text(node_id, "node id")
     if request.auth.token.namespaces is not None:
         raise ApiError(403, "namespace_forbidden", "a node's numbers span namespaces: a token "
                        "bound to namespaces reads its agents' numbers instead")

@@ -16,12 +16,13 @@ from django.utils import timezone
 
 from directory.routing import namespace_of
 from messages.events import events_on_commit, message_events
-from messages.ledger import task_key
+from messages.ledger import Ledger, task_key
 from messages.load import held_release, task_locks
 from messages.models import CANCELABLE_STATUSES, Direction, Message, Status, Task
 from messages.outbox import outbox_wake
 from messages.rows import cancel_row
 from messages.state import Change, atomic_retrying, changes_apply, messages_insert_new
+from messages.taskbook import within_namespaces
 from reachconsole.core.audit import audit_record
 from reachconsole.core.errors import ConsoleError
 
@@ -67,14 +68,20 @@ def _on_the_bus(row: Message, now: datetime) -> bool:
     return row.status == Status.SENT and row.publish_at is not None and row.publish_at > now
 
 
-def _refusal(task_id: str, member: str | None) -> ConsoleError:
-    tasks = Task.objects.filter(task_id=task_id)
+def _not_found(task_id: str) -> ConsoleError:
+    return ConsoleError(f"no task {task_id[:200]} is recorded", code="task_not_found",
+                        status=404)
+
+
+def _refusal(task_id: str, member: str | None, within: frozenset[str] | None
+             ) -> ConsoleError:
+    # A caller bound to namespaces learns nothing of other namespaces' tasks: not found.
+    tasks = within_namespaces(Task.objects.filter(task_id=task_id), within)
     if member is not None:
         tasks = tasks.filter(member=member)
     found = list(tasks.order_by("direction", "member"))
     if not found:
-        return ConsoleError(f"no task {task_id[:200]} is recorded", code="task_not_found",
-                            status=404)
+        return _not_found(task_id)
     ours = [t for t in found if t.direction == Direction.SEND]
     if not ours:
         return CancelRefused(f"task {task_id[:200]} is not the console's: it was "
@@ -109,12 +116,14 @@ def _cancel(*, task_id: str, by: str, reason: str, member: str | None,
     task_locks([task_id])
     rows = _open_rows(task_id, member)
     if not rows:
-        raise _refusal(task_id, member)
+        raise _refusal(task_id, member, within)
     if within is not None:
         touched = {namespace_of(a) for r in rows for a in (r.from_agent_id, r.to_agent_id)}
+        if not touched & within:  # none of its own: as if it did not exist
+            raise _not_found(task_id)
         if not (touched - {None}) <= within:
-            raise ConsoleError("this task belongs to namespaces this caller is not bound to",
-                               code="namespace_forbidden", status=403)
+            raise ConsoleError("this task also touches namespaces this caller is not bound "
+                               "to", code="namespace_forbidden", status=403)
     words = f"canceled by {by or 'an operator'}" + (f": {reason}" if reason else "")
     bus = {r.pk for r in rows if _on_the_bus(r, now)}
     was = {r.message_id: r.status for r in rows}
@@ -124,7 +133,9 @@ def _cancel(*, task_id: str, by: str, reason: str, member: str | None,
                               "publish_at": None, "ack_deadline_at": None,
                               "next_attempt_at": None})
                for r in rows]
-    applied = changes_apply(changes, now=now)
+    # Tasks and numbers written once, last: after every message and load row (lock order).
+    ledger = Ledger()
+    applied = changes_apply(changes, now=now, ledger=ledger)
     if len(applied.messages) != len(rows):  # every row is locked: only a bug gets here
         raise CancelRefused("the task changed while it was being canceled; try again",
                             code="cancel_raced")
@@ -133,7 +144,7 @@ def _cancel(*, task_id: str, by: str, reason: str, member: str | None,
     tell = [cancel_row(request=r, now=now) for r in rows if r.pk in bus and r.target_node_id]
     # One CANCEL per node: it names the task, not the transmission.
     per_node = {row.target_node_id: row for row in tell}
-    sent = messages_insert_new(list(per_node.values()))
+    sent = messages_insert_new(list(per_node.values()), ledger=ledger)
     for row in sent:
         events += message_events(row, previous="")
         done.told.append(row.target_node_id)
@@ -142,7 +153,8 @@ def _cancel(*, task_id: str, by: str, reason: str, member: str | None,
         # Slots freed: work held behind the canceled ones may go now.
         released, undeliverable = held_release(agent_ids=applied.freed, now=now)
         publish += released
-        events += changes_apply(undeliverable, now=now).events
+        events += changes_apply(undeliverable, now=now, ledger=ledger).events
+    ledger.write()
     events_on_commit(events)
     if publish:
         outbox_wake()

@@ -33,6 +33,7 @@ from messages.delivery import retry_or_give_up
 from messages.events import events_on_commit, message_events
 from messages.handlers import LOCAL_HANDLERS
 from messages.idempotency import idempotency_claim, idempotency_release
+from messages.ledger import Ledger
 from messages.load import held_release
 from messages.models import Direction, Message, Status
 from messages.outbound import message_reroute
@@ -166,9 +167,12 @@ def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result
     if not rows and not rejected:
         return
     counts = result.counts
+    # The batch's tasks and numbers, written once at its end: task rows are locked after
+    # every message and load row the batch takes (messages/load.py, the lock order).
+    ledger = Ledger()
     with transaction.atomic():
         duplicates, rows = _split_duplicates(rows, node_id=node_id, claims=claims)
-        fresh = messages_insert_new(rows)
+        fresh = messages_insert_new(rows, ledger=ledger)
         counts["duplicate_message_id"] += len(rows) - len(fresh)
         counts["stored"] += len(fresh)
         result.stored = len(fresh)
@@ -198,7 +202,7 @@ def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result
         replies += acts.replies
         changes = acts.changes
         _retry_retryable_nacks(changes, now=now)
-        applied = changes_apply(changes, now=now)
+        applied = changes_apply(changes, now=now, ledger=ledger)
         refused = _answers_refused(applied.refused, acts.answers, counts=counts)
         for response in acts.responses:
             # A response is acknowledged as received, even a late one (its sender stops
@@ -218,11 +222,12 @@ def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result
         if applied.freed:
             publish, undeliverable = held_release(agent_ids=applied.freed, now=now)
             result.to_publish += publish
-            events += changes_apply(undeliverable, now=now).events
-        sent = messages_insert_new(replies)
+            events += changes_apply(undeliverable, now=now, ledger=ledger).events
+        sent = messages_insert_new(replies, ledger=ledger)
         for reply in sent:
             events += message_events(reply, previous="")
         result.to_publish += [reply.pk for reply in sent]
+        ledger.write()
         events_on_commit(events)
 
 

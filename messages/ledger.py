@@ -16,7 +16,9 @@ one from its old status and adds one to its new one, in that same bucket (a requ
 10:01 and found EXPIRED at 10:02 is an EXPIRED of 10:01), as the overview always counted.
 
 Lock order (messages/load.py): rollup rows are only inserted, never updated by writers, so
-they take no lock; task rows are upserted last, after the load rows, in key order.
+they take no lock; task rows are upserted last in their transaction, after every message and
+load row it takes, in key order (a transaction that moves rows in several steps, the
+bridge's batch or a cancel, hands one ledger to each step and writes it at its end).
 """
 
 from __future__ import annotations
@@ -50,9 +52,6 @@ COUNTED = frozenset({
     Status.BUSY, Status.UNDELIVERABLE, Status.FAILED, Status.EXPIRED, Status.CANCELED,
     Status.LOCAL_CONSUMED,
 })
-# A task that has one of these keeps it: a late answer or a retry of an older attempt never
-# reopens it (a new attempt after TASK_ERROR, a resend, does).
-KEPT_OUTCOMES = (Status.COMPLETED, Status.CANCELED)
 
 
 _STATUS_METRICS = {status: f"s:{status}" for status in Status.values}
@@ -81,10 +80,22 @@ def task_key(row) -> tuple[str, str, str]:
     of its own, named by its message id."""
     task_id = row.task_id or row.message_id
     member = ""
-    if row.idempotency_key and row.to_agent_id and row.idempotency_key == group_member_key(
-            task_id, row.to_agent_id):
-        member = row.to_agent_id
+    key, agent = row.idempotency_key, row.to_agent_id
+    # A member's copy: its key is the task's and the member's, also after a resend that
+    # asked for a new key ("{task}:re-…:{member}").
+    if key and agent and (key == group_member_key(task_id, agent) or (
+            key.startswith(f"{task_id}:") and key.endswith(f":{agent}"))):
+        member = agent
     return row.direction, task_id, member
+
+
+def _counted(row) -> str | None:
+    """The status a row is counted in, if any: a task request a console agent answered is
+    counted by its outcome (COMPLETED, or TASK_ERROR when its handler failed), like its
+    task; every other row by its status."""
+    if row.status == Status.LOCAL_CONSUMED and row.message_type == TASK_REQUEST:
+        return task_status(row)
+    return row.status if row.status in COUNTED else None
 
 
 def task_status(row) -> str:
@@ -120,9 +131,12 @@ class Ledger:
     tasks: list[TaskDelta] = field(default_factory=list)
 
     # --- what happened ------------------------------------------------------------------
-    def inserted(self, rows, *, tasks: bool = True) -> None:
+    def inserted(self, rows, *, tasks: bool = True, rebuilt: bool = False) -> None:
         """New rows, in the status they were stored with (a send already routed); `tasks`:
-        whether they make or move tasks (a rebuild of the numbers leaves tasks alone)."""
+        whether they make or move tasks. `rebuilt`: rows counted again long after they were
+        written (messages.rollups.rollups_rebuild), which leaves tasks alone, counts the
+        publish → ACK time of every row that has one whatever its status now, and cannot
+        tell whether a row was held."""
         for row in rows:
             at = row.created_at
             self._add(ALL, "", at, "messages")
@@ -131,9 +145,9 @@ class Ledger:
                 payload = getattr(row, "wire_payload", None) or row.payload
                 if isinstance(payload, dict) and payload.get("duplicate") is True:
                     self._add(ALL, "", at, "duplicates")
-            if row.held:
+            if row.held and not rebuilt:
                 self._add(ALL, "", at, "held")
-            status = row.status if row.status in COUNTED else None
+            status = _counted(row)
             if status:
                 self._add(ALL, "", at, status_metric(status))
             if not request:
@@ -149,8 +163,8 @@ class Ledger:
                     self._add(scope, subject, at, "retries")
                 if status and scope != ALL:
                     self._add(scope, subject, at, status_metric(status))
-            self._latencies(row, previous="", subjects=subjects)
-            if tasks:
+            self._latencies(row, previous="", subjects=subjects, rebuilt=rebuilt)
+            if tasks and not rebuilt:
                 self._task(row, attempts=1, answered_by=self._answerer(row, ""))
 
     def moved(self, row, *, previous: str, answered_by: str = "") -> None:
@@ -158,11 +172,12 @@ class Ledger:
         at = row.created_at
         request = row.message_type == TASK_REQUEST
         subjects = self._subjects(row) if request else [(ALL, "")]
+        now_counted = _counted(row)
         for scope, subject in subjects:
             if previous in COUNTED:
                 self._add(scope, subject, at, status_metric(previous), -1)
-            if row.status in COUNTED:
-                self._add(scope, subject, at, status_metric(row.status))
+            if now_counted:
+                self._add(scope, subject, at, status_metric(now_counted))
         if not request:
             return
         self._latencies(row, previous=previous, subjects=subjects)
@@ -176,10 +191,13 @@ class Ledger:
             if row.message_type == TASK_REQUEST:
                 self._task(row, attempts=0, answered_by="")
 
-    def _latencies(self, row, *, previous: str, subjects: list[tuple[str, str]]) -> None:
+    def _latencies(self, row, *, previous: str, subjects: list[tuple[str, str]],
+                   rebuilt: bool = False) -> None:
         at = row.created_at
-        if (row.direction == Direction.SEND and row.status == Status.ACKED
-                and previous not in ANSWERED_STATUSES and row.published_at and row.acked_at):
+        first_ack = rebuilt or (row.status == Status.ACKED
+                                and previous not in ANSWERED_STATUSES)
+        if (row.direction == Direction.SEND and first_ack and row.published_at
+                and row.acked_at):
             # publish → ACK, once per transmission, as reach_delivery_latency_seconds has it.
             seconds = max(0.0, (row.acked_at - row.published_at).total_seconds())
             index = _histogram_index(LATENCY_BUCKETS_S, seconds)
@@ -289,12 +307,13 @@ _TASK_CHUNK = 1000
 
 def _task_upsert_sql(rows: int) -> str:
     """One statement for many tasks. The incoming change (`excluded`) gives the task its
-    outcome when it is an answer, or when it is (or concerns) the task's newest attempt;
-    a task COMPLETED or CANCELED keeps that, and one that ended TASK_ERROR keeps it until
-    a new attempt (a resend) is made."""
+    outcome when it is an answer, or when it is (or concerns) the task's newest attempt.
+    A task COMPLETED keeps that. One CANCELED keeps it against anything but a new attempt
+    (a resend after the cancel): a late answer changes nothing. One that ended TASK_ERROR
+    keeps it until a new attempt, or a response that completes another of its attempts."""
     t = Task._meta.db_table
-    keep = (f"{t}.status IN ('COMPLETED', 'CANCELED') "
-            f"OR ({t}.status = 'TASK_ERROR' AND excluded.attempts = 0)")
+    keep = (f"{t}.status = 'COMPLETED' OR (excluded.attempts = 0 AND ({t}.status = 'CANCELED' "
+            f"OR ({t}.status = 'TASK_ERROR' AND excluded.status <> 'COMPLETED')))")
     take = (f"excluded.status IN ('COMPLETED', 'TASK_ERROR') OR excluded.attempts > 0 "
             f"OR excluded.last_message_id = {t}.last_message_id")
 

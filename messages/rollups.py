@@ -162,7 +162,8 @@ class SubjectStats:
 
     @property
     def completed(self) -> int:
-        return self.n(Status.COMPLETED) + self.n(Status.LOCAL_CONSUMED)
+        # A console agent's answer is counted by its outcome already (messages/ledger.py).
+        return self.n(Status.COMPLETED)
 
     @property
     def finished(self) -> int:
@@ -326,7 +327,9 @@ def rollups_rebuild(*, since: datetime, until: datetime | None = None, chunk: in
     """Count again, from the rows, the numbers of messages created from `since` (rounded
     down to the hour) to `until`: for a console upgraded from a version that kept none, or
     rows written around the services. The buckets of that span are replaced in one
-    transaction, so readers see the old numbers or the new ones. Returns the rows read."""
+    transaction, so readers see the old numbers or the new ones; stop beat meanwhile (its
+    fold could put back rows this deletes). Held counts are not rebuilt: a row does not
+    keep whether it was held. Returns the rows read."""
     from django.db.models import BooleanField, Case, Q, Value, When
 
     from messages.ledger import STEPS_ALL, Ledger
@@ -349,11 +352,11 @@ def rollups_rebuild(*, since: datetime, until: datetime | None = None, chunk: in
         for values in rows.iterator(chunk_size=chunk):
             batch.append(_Counted(*values))
             if len(batch) >= chunk:
-                ledger.inserted(batch, tasks=False)
+                ledger.inserted(batch, rebuilt=True)
                 ledger.write()
                 read += len(batch)
                 batch = []
-        ledger.inserted(batch, tasks=False)
+        ledger.inserted(batch, rebuilt=True)
         ledger.write()
         read += len(batch)
     return read

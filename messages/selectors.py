@@ -354,12 +354,14 @@ def task_response(row: Message) -> Message | None:
 
 
 def open_counts() -> dict[str, int]:
-    """How many rows have not ended yet, by status (the backlog, for /metrics). Exactly the
-    rows of the partial index `a2a_open_deadline` (an open row keeps its deadline; an answer
-    of ours leaves it once the broker has it, PUBLISHED being its end): a scrape costs what
-    is open, not what is stored."""
+    """How many of the console's own rows have not ended yet, by status (the backlog, for
+    /metrics): rows of the partial index `a2a_open_deadline` (an open row keeps its deadline;
+    an answer of ours leaves it once the broker has it, PUBLISHED being its end), less the
+    requests it only observes between other nodes, which it does not work on: a scrape costs
+    what is open, not what is stored."""
     found = dict(Message.objects.filter(status__in=sorted(OPEN_STATUSES),
-                                        deadline_at__isnull=False).order_by()
+                                        deadline_at__isnull=False)
+                 .exclude(direction=Direction.OBSERVED).order_by()
                  .values_list("status").annotate(n=Count("id")))
     return {status: found.get(status, 0) for status in sorted(OPEN_STATUSES)}
 

@@ -19,10 +19,12 @@ from typing import Any, TypeVar
 
 from django.db import OperationalError, connection, models, transaction
 
-from messages.events import message_events, publisher
+from messages.events import events_on_commit, message_events, publisher
 from messages.ledger import Ledger
 from messages.load import Deltas, slot_of
 from messages.models import ANSWERED_STATUSES, TRANSITIONS, Message, Status, Transition
+from messages.outbox import outbox_wake
+from messages.rows import cancel_row
 from messages.tally import DeliveryTally
 
 T = TypeVar("T")
@@ -30,8 +32,11 @@ log = logging.getLogger(__name__)
 INSERT_CHUNK = 400  # 24 columns × 400 rows stays under SQLite's 32,766 parameters
 
 
-def messages_insert_new(rows: list[Message]) -> list[Message]:
+def messages_insert_new(rows: list[Message], *, ledger: Ledger | None = None
+                        ) -> list[Message]:
     """Insert rows whose message id is new; return just those, with their primary keys.
+    Their tasks and numbers go to `ledger` when given (the caller writes it once, last in
+    its transaction: the lock order), else are written here.
 
     `INSERT … ON CONFLICT (message_id) DO NOTHING RETURNING` (PostgreSQL, SQLite ≥ 3.35):
     a message delivered twice, or by 16 writers at once, becomes one row, and only the
@@ -56,9 +61,10 @@ def messages_insert_new(rows: list[Message]) -> list[Message]:
             row._state.adding = False
         fresh.append(row)
     # Only the rows this call inserted are counted and make tasks: a repeat changes nothing.
-    ledger = Ledger()
-    ledger.inserted(fresh)
-    ledger.write()
+    kept = ledger or Ledger()
+    kept.inserted(fresh)
+    if ledger is None:
+        kept.write()
     return fresh
 
 
@@ -220,7 +226,8 @@ class Applied:
     refused: list[tuple[Change, str, str]] = field(default_factory=list)
 
 
-def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
+def changes_apply(changes: Iterable[Change], *, now: datetime,
+                  ledger: Ledger | None = None) -> Applied:
     """Apply status changes set-wise: one locked read and one update per kind of change.
 
     A change whose row is not (or no longer) in an allowed status is skipped: a late ACK
@@ -228,12 +235,13 @@ def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
     answer from the wrong node or on the wrong inbox is refused (`Applied.refused`), whatever
     the row's status: judged on the rows the locked read fetches anyway, at no query more. The
     agents' kept in-flight and held counts move with the rows (messages/load.py), after the
-    rows are locked: the lock order.
+    rows are locked: the lock order; then the tasks and numbers (messages/ledger.py), here or,
+    with `ledger`, by the caller at the end of its transaction.
     """
     result = Applied()
     deltas = Deltas()
     tally = DeliveryTally()
-    ledger = Ledger()
+    kept = ledger or Ledger()
     groups: dict[tuple[str, frozenset[str], tuple[str, ...]], list[Change]] = defaultdict(list)
     for change in changes:
         allowed = TRANSITIONS[change.to]
@@ -297,8 +305,8 @@ def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
                 setattr(row, name, value)
             deltas.move(row.to_agent_id, slot, slot_of(row))
             tally.moved(row, previous=previous, answer=to in ANSWERED_STATUSES or change.retryable)
-            ledger.moved(row, previous=previous,
-                         answered_by=change.heard.origin_node_id if change.heard else "")
+            kept.moved(row, previous=previous,
+                       answered_by=change.heard.origin_node_id if change.heard else "")
             transitions.append(Transition(
                 message=row, from_status=previous, to_status=to, at=now, reason=change.reason,
                 actor=change.actor, by=change.by,
@@ -310,8 +318,10 @@ def changes_apply(changes: Iterable[Change], *, now: datetime) -> Applied:
             Message.objects.bulk_update(rows, ["status", "updated_at", *field_names, *also])
     Transition.objects.bulk_create(transitions)
     deltas.write()
-    # After the load rows: the lock order (messages/load.py).
-    ledger.write()
+    # After the load rows: the lock order (messages/load.py). A caller that goes on to lock
+    # more message rows passes its own ledger and writes it last.
+    if ledger is None:
+        kept.write()
     tally.on_commit()
     result.freed = deltas.freed()
     return result
@@ -322,36 +332,64 @@ LATE_PUBACK = ("the broker took it at {at:%H:%M:%S} UTC, after the console had a
                "still run it, and an answer from it corrects this row")
 
 
+LATE_PUBACK_CANCELED = ("the broker took it at {at:%H:%M:%S} UTC, after it was canceled: "
+                        "its node may run it, and was sent CANCEL; an answer is recorded and "
+                        "changes nothing")
+
+
 def late_pubacks_record(*, pks: list[int], now: datetime) -> None:
     """PUBACKs for rows that had moved on before the PUBACK was recorded. One that an ACK
     overtook keeps the time the broker took it. One that the deadline sweep had already
     ended FAILED ("not published …") gets the time too, and words that say what happened
     instead of the ones the PUBACK proved wrong: a row never says "the broker did not take
-    it" beside a published time."""
+    it" beside a published time. One canceled meanwhile reached its node after all: the node
+    is told with a CANCEL now (messages/cancel.py sends one only for what it saw on the
+    bus)."""
     words = LATE_PUBACK.format(at=now)
     with transaction.atomic():
         pending = Message.objects.filter(pk__in=pks, published_at__isnull=True)
-        pending.exclude(status=Status.FAILED).update(published_at=now)
-        failed = list(pending.filter(status=Status.FAILED).select_for_update())
-        if not failed:
+        late = list(pending.filter(status__in=[Status.FAILED, Status.CANCELED])
+                    .select_for_update())
+        pending.exclude(status__in=[Status.FAILED, Status.CANCELED]).update(published_at=now)
+        if not late:
             return
-        Message.objects.filter(pk__in=[r.pk for r in failed], status=Status.FAILED).update(
-            published_at=now, error=words, updated_at=now)
-        # The trace keeps what was believed at the deadline and then what the PUBACK showed:
-        # a step in place (the status stays; only an answer may move a final row).
+        failed = [r for r in late if r.status == Status.FAILED]
+        canceled = [r for r in late if r.status == Status.CANCELED]
+        if failed:
+            Message.objects.filter(pk__in=[r.pk for r in failed], status=Status.FAILED).update(
+                published_at=now, error=words, updated_at=now)
+            for r in failed:
+                r.published_at, r.error, r.updated_at = now, words, now
+        if canceled:
+            Message.objects.filter(pk__in=[r.pk for r in canceled]).update(published_at=now)
+        # The trace keeps what was believed and then what the PUBACK showed: a step in place
+        # (the status stays; only an answer may move a final row, and none a canceled one).
+        told = LATE_PUBACK_CANCELED.format(at=now)
         Transition.objects.bulk_create([
-            Transition(message=r, from_status=Status.FAILED, to_status=Status.FAILED, at=now,
-                       reason=f"late PUBACK: {words}", actor="bridge") for r in failed])
+            Transition(message=r, from_status=r.status, to_status=r.status, at=now,
+                       reason=f"late PUBACK: {words if r.status == Status.FAILED else told}",
+                       actor="bridge") for r in late])
         events = []
-        for r in failed:
-            r.published_at, r.error, r.updated_at = now, words, now
-            events += message_events(r, previous=Status.FAILED, reason="late PUBACK")
+        for r in late:
+            events += message_events(r, previous=r.status, reason="late PUBACK")
         ledger = Ledger()
         ledger.reworded(failed)
+        tell = {}
+        for r in canceled:
+            r.published_at = now
+            if r.message_type == "TASK_REQUEST" and r.target_node_id:
+                tell.setdefault((r.task_id, r.target_node_id), cancel_row(request=r, now=now))
+        sent = messages_insert_new(list(tell.values()), ledger=ledger)
         ledger.write()
-        # Pushed, not counted: the row's status did not change (reach_messages_total
-        # counted its FAILED already).
+        fresh = []
+        for row in sent:
+            fresh += message_events(row, previous="")
+        if sent:
+            outbox_wake()
+        # Pushed, not counted: the rows' statuses did not change (reach_messages_total
+        # counted them already); the CANCELs are new rows, counted.
         transaction.on_commit(lambda: publisher.publish(events))
+        events_on_commit(fresh)
 
 
 def _transient(exc: BaseException) -> bool:

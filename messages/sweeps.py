@@ -23,7 +23,7 @@ from django.utils import timezone
 from messages.delivery import retry_or_give_up
 from messages.events import events_on_commit
 from messages.load import held_release, loads_to_release, task_locks
-from messages.models import OPEN_STATUSES, Direction, Message, Status, Transition
+from messages.models import OPEN_STATUSES, Direction, Message, Status, Task, Transition
 from messages.outbound import RETRY_STORM, message_next_attempt
 from messages.outbox import outbox_wake
 from messages.state import Change, atomic_retrying, changes_apply
@@ -158,12 +158,17 @@ def _past_deadline(now: datetime, result: SweepResult) -> list[dict]:
     # PUBACK is recorded): it only leaves the deadline index.
     Message.objects.filter(deadline_at__lt=now, status__in=list(OPEN_STATUSES - {Status.SENT})
                            ).exclude(message_type="TASK_REQUEST").update(deadline_at=None)
-    rows = list(
-        Message.objects.select_for_update(skip_locked=True)
-        .filter(status__in=[*OPEN_STATUSES, Status.OBSERVED], deadline_at__lt=now)
-        .order_by("deadline_at")[:SWEEP_BATCH]
-    )
     deaf = not _hearing_long_enough(now)
+    due = (Message.objects.select_for_update(skip_locked=True)
+           .filter(status__in=[*OPEN_STATUSES, Status.OBSERVED], deadline_at__lt=now)
+           .order_by("deadline_at"))
+    # The console's own work first, in a batch of its own: a backlog of other nodes' traffic
+    # (monitor mode at a high rate, or the upgrade's old rows) must not hold it up. Traffic
+    # between other nodes is judged only while the console hears the bus: its silence would
+    # otherwise be counted as theirs, and raise their agents' alarms.
+    rows = list(due.exclude(direction=Direction.OBSERVED)[:SWEEP_BATCH])
+    if not deaf:
+        rows += list(due.filter(direction=Direction.OBSERVED)[:SWEEP_BATCH])
     changes = []
     for row in rows:
         status, words = _deadline_words(row)
@@ -234,4 +239,13 @@ def messages_prune(*, now: datetime | None = None, max_batches: int = 50) -> int
             Message.objects.filter(resend_of__in=pks).update(resend_of=None)
             Transition.objects.filter(message_id__in=pks).delete()
             deleted += Message.objects.filter(pk__in=pks).delete()[1].get("a2a.Message", 0)
+    # Tasks go with their rows: one whose last change is past the retention has none left
+    # (its rows were written by then), and its list entry would lead to an empty trace.
+    for _ in range(max_batches):
+        with transaction.atomic():
+            stale = list(Task.objects.filter(updated_at__lt=cutoff).order_by("id")
+                         .values_list("pk", flat=True)[:PRUNE_BATCH])
+            if not stale:
+                break
+            Task.objects.filter(pk__in=stale).delete()
     return deleted

@@ -9,7 +9,8 @@ urlpatterns = [
     path("export.jsonl", task_views.task_export, {"kind": "jsonl"}, name="export_jsonl"),
     path("cancelable", task_views.task_cancelable, name="cancelable"),
     path("bulk-cancel", task_views.task_cancel_bulk, name="cancel_bulk"),
-    path("<str:task_id>/", task_views.task_detail, name="detail"),
-    path("<str:task_id>/cancel", task_views.task_cancel_preview, name="cancel_preview"),
-    path("<str:task_id>/cancel/confirm", task_views.task_cancel_view, name="cancel"),
+    # A task id is any text a sender chose, "/" included (the A2A-over-MQTT ids have them).
+    path("<path:task_id>/cancel/confirm", task_views.task_cancel_view, name="cancel"),
+    path("<path:task_id>/cancel", task_views.task_cancel_preview, name="cancel_preview"),
+    path("<path:task_id>/", task_views.task_detail, name="detail"),
 ]

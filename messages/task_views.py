@@ -5,7 +5,7 @@ The trace page (/messages/{id}/) stays the task's story."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from django.contrib import messages as flash
 from django.contrib.auth.decorators import login_required, permission_required
@@ -13,7 +13,7 @@ from django.core.handlers.asgi import ASGIRequest
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.shortcuts import redirect, render
 from django.template.defaultfilters import pluralize
-from django.urls import reverse
+from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 from django.utils.http import urlencode
 from django.views.decorators.http import require_GET, require_POST
@@ -80,12 +80,19 @@ def task_list(request: HttpRequest) -> HttpResponse:
 @login_required
 def task_detail(request: HttpRequest, task_id: str) -> HttpResponse:
     """A task's story is its trace: the page of its last transmission."""
-    entries = task_entries(task_id)
+    entries = task_entries(task_id) if "\x00" not in task_id else []
     if not entries:
         return render(request, "errors/error.html", {
             "status": 404, "title": "No such task",
-            "detail": f"No task {task_id[:200]} is recorded."}, status=404)
-    return redirect("a2a:trace", message_id=entries[0].last_message_id)
+            "detail": f"No task {task_id[:200]!r} is recorded."}, status=404)
+    try:
+        return redirect("a2a:trace", message_id=entries[0].last_message_id)
+    except NoReverseMatch:  # a message id with a "/", which no page path can carry
+        return render(request, "errors/error.html", {
+            "status": 404, "title": "No trace page for this task",
+            "detail": f"Its last message id {entries[0].last_message_id[:200]!r} cannot be "
+                      "part of a page's address; find its messages on the timeline: "
+                      f"/messages/?q={quote(task_id[:200])}"}, status=404)
 
 
 # --- exports --------------------------------------------------------------------------------

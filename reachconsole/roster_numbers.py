@@ -113,7 +113,9 @@ class RosterNumbers:
         """One page of the filtered roster in the order of a number: the agents that have it
         in the window by it (ties by agent id), then those without traffic, by agent id.
         Keyset paging on (section, number, agent id), as roster.selectors.agents_page pages
-        on (fine, agent id): a page never repeats or skips an agent because others moved."""
+        on (fine, agent id): no OFFSET. The numbers move with the traffic, so an agent whose
+        number changed between two pages may show on both or on neither, as in any list
+        ordered by a live value."""
         key, descending = sort.lstrip("-"), sort.startswith("-")
         numbers = {agent_id: _numbers(stats) for agent_id, stats in
                    subjects_stats(scope=AGENT, window=WINDOW, now=now).items()}

@@ -11,7 +11,7 @@ import pytest
 from django.contrib.auth.models import Group, User
 from django.test import Client
 
-from messages.models import Message, Status
+from messages.models import Message, Status, Task
 from messages.outbound import SendRequest, message_send
 from reachconsole.core import roles
 from reachconsole.core.models import AuditEntry
@@ -59,7 +59,7 @@ def test_the_list_shows_one_row_per_task_with_its_outcome(viewer, traffic):
     row = html[html.index('data-task="t-lost"'):]
     row = row[:row.index("</tr>")]
     assert 'data-status="UNDELIVERABLE"' in row and "no agent fin.vat is on the roster" in row
-    assert f'href="/messages/{lost.message_id}/"' in row  # the task's story is its trace
+    assert 'href="/tasks/t-lost/"' in row  # which leads to its trace: the task's story
     assert 'id="to-timeline"' in html and 'data-stream="/ws/timeline/"' in html
     # A viewer reads, and is told why there is no Cancel.
     assert "data-cancel=" not in html and "cancel tasks" in html
@@ -154,6 +154,25 @@ def test_a_task_page_leads_to_its_trace_and_an_unknown_one_is_a_404(viewer, traf
     assert response.status_code == 302
     assert response["Location"] == f"/messages/{open_task.message_id}/"
     assert viewer.get("/tasks/t-none/").status_code == 404
+    assert viewer.get("/tasks/t%00x/").status_code == 404
+
+
+def test_ids_with_a_slash_are_listed_and_never_break_the_pages(viewer, operator):
+    # Task and message ids are the sender's text: "/" included (A2A-over-MQTT style).
+    register("fin.tax", "node-b")
+    row = message_send(request=SendRequest(to="fin.tax", task_id="org/unit/t-1",
+                                           timeout_ms=600_000))
+    Message.objects.filter(pk=row.pk).update(message_id="m/with/slash")
+    Task.objects.filter(task_id="org/unit/t-1").update(last_message_id="m/with/slash")
+    html = viewer.get("/tasks/").content.decode()
+    assert 'href="/tasks/org/unit/t-1/"' in html
+    page = viewer.get("/tasks/org/unit/t-1/")
+    assert page.status_code == 404 and "/messages/?q=org/unit/t-1" in page.content.decode()
+    assert 'data-cancel="org/unit/t-1"' in operator.get("/tasks/").content.decode()
+    assert operator.get("/tasks/org/unit/t-1/cancel").status_code == 200
+    response = operator.post("/tasks/org/unit/t-1/cancel/confirm", {"reason": "slash"})
+    assert response.status_code == 302
+    assert Message.objects.get(pk=row.pk).status == Status.CANCELED
 
 
 def test_the_nav_and_the_overview_lead_to_the_task_list(viewer):

@@ -128,6 +128,12 @@ def test_a_bad_filter_is_a_422_with_words(api, params, words):
     assert response.json()["error"] == "invalid_request" and words in response.json()["detail"]
 
 
+def test_a_date_time_the_filters_read_is_taken_on_any_day(api):
+    message_send(request=SendRequest(to="fin.nobody", task_id="t-day"))
+    assert api.get("/api/a2a/tasks", {"since": "2026-01-31T14:00"}).status_code == 200
+    assert api.get("/api/a2a/tasks", {"since": "2026-02-30T14:00"}).status_code == 422
+
+
 def test_a_window_that_ends_before_it_starts_holds_nothing(api):
     message_send(request=SendRequest(to="fin.nobody", task_id="t-any"))
     assert api.get("/api/a2a/tasks", {"since": "5", "until": "10"}).json() == []
@@ -151,7 +157,10 @@ def test_a_token_bound_to_namespaces_sees_its_own_tasks_only():
     bound = ApiClient(FIN_TOKEN)
     assert [t["taskId"] for t in bound.get("/api/a2a/tasks").json()] == ["t-fin"]
     assert bound.get("/api/a2a/tasks/t-ops").status_code == 404
-    assert bound.post("/api/a2a/tasks/t-ops/cancel", {}).status_code in (403, 404)
+    # Another namespace's task does not exist for it, open or final alike.
+    refused = bound.post("/api/a2a/tasks/t-ops/cancel", {})
+    assert (refused.status_code, refused.json()["error"]) == (404, "task_not_found")
+    assert Message.objects.get(task_id="t-ops").status == Status.SENT
 
 
 # --- observed traffic gets outcomes ---------------------------------------------------------
@@ -324,3 +333,52 @@ def test_the_console_answers_a_cancel_for_its_own_agents():
     ingest((protocol.inbox_topic(PREFIX, "console"), env))
     acks = Message.objects.filter(in_reply_to=env.message_id).order_by("id")
     assert [a.payload.get("duplicate", False) for a in acks] == [False, True]
+
+
+@pytest.mark.parametrize("path", ["/api/a2a/tasks/t%00x", "/api/ops/agents/fin.t%00x/stats",
+                                  "/api/ops/nodes/node%00x/stats"])
+def test_a_nul_in_a_path_is_a_422_with_words(api, path):
+    response = api.get(path)
+    assert response.status_code == 422
+    assert response.json()["error"] == "nul_character"
+    assert "contains a NUL character" in response.json()["detail"]
+    assert api.post("/api/a2a/tasks/t%00x/cancel", {}).status_code == 422
+
+
+def test_a_puback_after_the_cancel_tells_the_node_after_all(api, now):
+    from messages.state import late_pubacks_record
+
+    register("fin.tax", "node-b")
+    row = message_send(request=SendRequest(to="fin.tax", task_id="t-late", timeout_ms=600_000))
+    # Not claimed by a bridge at the cancel (as far as the console can tell): no CANCEL yet.
+    Message.objects.filter(pk=row.pk).update(publish_at=now - timedelta(seconds=60))
+    assert api.post("/api/a2a/tasks/t-late/cancel", {}).json()["cancelSentTo"] == []
+    # A bridge whose claim had run out published it all the same: its PUBACK comes now.
+    late_pubacks_record(pks=[row.pk], now=now + timedelta(seconds=1))
+    row.refresh_from_db()
+    assert row.status == Status.CANCELED and row.published_at is not None
+    cancel = Message.objects.get(message_type="CANCEL", task_id="t-late")
+    assert cancel.target_node_id == "node-b" and cancel.publish_at is not None
+    step = Transition.objects.filter(message=row).order_by("-id").first()
+    assert (step.from_status, step.to_status) == (Status.CANCELED, Status.CANCELED)
+    assert "after it was canceled" in step.reason
+
+
+def test_an_outcome_is_kept_against_late_answers_but_not_against_a_new_attempt(api, now):
+    register("fin.tax", "node-b")
+    first = message_send(request=SendRequest(to="fin.tax", task_id="t-keep"))
+    published(first, now)
+    ingest(answer(MT.TASK_RESPONSE, first.message_id,
+                  payload={"ok": False, "error": "no ledger"}))
+    assert Task.objects.get(task_id="t-keep").status == Status.TASK_ERROR
+    # A resend goes out: the task follows the new attempt; its response completes it.
+    assert api.post(f"/api/a2a/messages/{first.message_id}/resend", {}).status_code == 202
+    again = Message.objects.get(resend_of=first)
+    task = Task.objects.get(task_id="t-keep")
+    assert (task.status, task.attempts, task.last_message_id) == ("SENT", 2, again.message_id)
+    published(again, now)
+    ingest(answer(MT.TASK_RESPONSE, again.message_id))
+    assert Task.objects.get(task_id="t-keep").status == Status.COMPLETED
+    # A late error answer to the first attempt changes nothing of a completed task.
+    ingest(answer(MT.TASK_RESPONSE, first.message_id, payload={"ok": False, "error": "x"}))
+    assert Task.objects.get(task_id="t-keep").status == Status.COMPLETED
