@@ -48,9 +48,6 @@ INFLIGHT_STATUSES = frozenset({Status.SENT, Status.PUBLISHED})
 # it at the latest (messages/sweeps.py). An answer of ours is done once the broker has it
 # (PUBLISHED, or ACKED by its receiver before our PUBACK was recorded).
 OPEN_STATUSES = frozenset({Status.SENT, Status.PUBLISHED, Status.ACKED, Status.RETRYING})
-# A request seen between other nodes that has not had its final answer on the bus: its
-# deadline (timeoutMs) ends it EXPIRED too, but the console never acts on it.
-OBSERVED_OPEN_STATUSES = frozenset({Status.OBSERVED, Status.ACKED})
 # What an operator may cancel: nothing more is transmitted for these.
 CANCELABLE_STATUSES = OPEN_STATUSES
 # Every status a row never leaves on its own (a late response may still complete some).

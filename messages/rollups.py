@@ -32,7 +32,6 @@ WINDOWS: dict[str, tuple[int, int]] = {
     "24h": (86400, 3600),
 }
 DEFAULT_WINDOW = "15m"
-SCOPES = {"agent": AGENT, "node": NODE, "all": ALL}
 # How long each width's buckets are kept: the longest window read at it, and some.
 KEEP_S = {15: 2 * 3600, 60: 26 * 3600, 3600: 8 * 86400}
 FOLD_BATCH = 20_000
@@ -64,28 +63,48 @@ def percentile(counts: Counter, bounds: tuple[float, ...], prefix: str, q: float
     return quantiles(counts, bounds, prefix, (q,))[1][q]
 
 
+def _per_bucket(counts: Counter, bounds: tuple[float, ...], prefix: str) -> list[int]:
+    return [max(0, counts.get(f"{prefix}{i}", 0)) for i in range(len(bounds) + 1)]
+
+
+def _walk(per: list[int], q: float) -> tuple[int, float]:
+    """The bucket that holds the q-quantile of a histogram with values (`per`: counts per
+    bucket), and how far into it the rank lies (0..1)."""
+    rank, seen = q * sum(per), 0
+    for i, n in enumerate(per):
+        if n and seen + n >= rank:
+            return i, max(0.0, rank - seen) / n
+        seen += n
+    return len(per) - 1, 1.0
+
+
 def quantiles(counts: Counter, bounds: tuple[float, ...], prefix: str,
               qs: tuple[float, ...] = PERCENTILES) -> tuple[int, dict[float, float | None]]:
     """(how many values, {q: quantile}) of one histogram: its buckets read once for all
     of `qs` (a page computes hundreds of these)."""
-    per = [max(0, counts.get(f"{prefix}{i}", 0)) for i in range(len(bounds) + 1)]
+    per = _per_bucket(counts, bounds, prefix)
     total = sum(per)
     out: dict[float, float | None] = {}
     for q in qs:
         if not total:
             out[q] = None
             continue
-        rank, seen = q * total, 0
-        for i, n in enumerate(per):
-            if n and seen + n >= rank:
-                low = bounds[i - 1] if i else 0.0
-                out[q] = (bounds[-1] if i == len(bounds)
-                          else low + (bounds[i] - low) * max(0.0, rank - seen) / n)
-                break
-            seen += n
-        else:
-            out[q] = bounds[-1]
+        i, share = _walk(per, q)
+        low = bounds[i - 1] if i else 0.0
+        out[q] = bounds[-1] if i == len(bounds) else low + (bounds[i] - low) * share
     return total, out
+
+
+def quantile_bucket(counts: Counter, bounds: tuple[float, ...], prefix: str, q: float
+                    ) -> tuple[float, float | None] | None:
+    """The bounds of the bucket the q-quantile lies in, as (low, high), high None above
+    the last bound: what is known of it (quantiles() places it inside by interpolation).
+    None without values."""
+    per = _per_bucket(counts, bounds, prefix)
+    if not sum(per):
+        return None
+    i, _ = _walk(per, q)
+    return (bounds[i - 1] if i else 0.0), (bounds[i] if i < len(bounds) else None)
 
 
 def duration_words(seconds: float | None) -> str:
@@ -287,11 +306,6 @@ def rollups_fold(*, now: datetime | None = None, batch: int = FOLD_BATCH) -> Fol
             result.dropped += Rollup.objects.filter(step=step, scope=scope,
                                                     bucket__lt=oldest).delete()[0]
     return result
-
-
-def fold_pending() -> int:
-    """Rows not folded yet (for /metrics and tests)."""
-    return Rollup.objects.filter(folded=False).count()
 
 
 @dataclass(slots=True)

@@ -14,9 +14,7 @@ percentiles are approximate within the bucket bounds the page names.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -100,16 +98,6 @@ class MessageStats:
         return [getattr(b, name) for b in self.buckets]
 
 
-def percentile_cont(values: Sequence[float], q: float) -> float | None:
-    """PostgreSQL's percentile_cont: linear interpolation between the closest ranks of the
-    sorted values (`values` must be sorted)."""
-    if not values:
-        return None
-    position = q * (len(values) - 1)
-    low, high = math.floor(position), math.ceil(position)
-    return values[low] + (values[high] - values[low]) * (position - low)
-
-
 def _window(*, minutes: int, step_s: int, now: datetime) -> tuple[int, int]:
     """The first and last bucket number: the newest bucket holds `now`."""
     last = int(now.timestamp()) // step_s
@@ -123,13 +111,12 @@ def _fill(bucket: Bucket, counts: Counter) -> None:
     bucket.answered, bucket.answer = quantiles(counts, ANSWER_BUCKETS_S, "ans:")
 
 
-def message_stats(*, minutes: int, step_s: int, now: datetime | None = None,
-                  keep: bool = False) -> MessageStats:
+def message_stats(*, minutes: int, step_s: int, now: datetime | None = None
+                  ) -> MessageStats:
     """Per `step_s` bucket over the last `minutes` (the newest bucket holds `now`): messages,
     retries, duplicates, held, BUSY, UNDELIVERABLE, FAILED, EXPIRED, TASK_ERROR and the
     latency percentiles; the window's counts summed, and the latency percentiles of its last
-    HEADLINE_S (now, not an hour's blur). One read of the kept numbers. (`keep` is accepted
-    for callers that asked for shared caching: the kept numbers need none.)"""
+    HEADLINE_S (now, not an hour's blur). One read of the kept numbers."""
     if step_s not in STEPS or (minutes * 60) % step_s or HEADLINE_S % step_s:
         raise ValueError("the window and the headline must be whole numbers of buckets of "
                          f"{' or '.join(map(str, STEPS))} s")

@@ -34,6 +34,7 @@ from messages.rollups import (
     WindowError,
     bounds_words,
     duration_words,
+    quantile_bucket,
     subject_stats,
     subjects_stats,
     window_read,
@@ -333,23 +334,6 @@ STAT_COUNTS = (
 )
 
 
-def _quantile_bucket(counts, bounds: tuple[float, ...], prefix: str, q: float
-                     ) -> tuple[float, float | None] | None:
-    """The histogram bucket the q-quantile lies in, as (low, high), high None above the last
-    bound: percentile() places the value inside it by interpolation, so the bucket is what is
-    known. The same walk as messages.rollups.percentile."""
-    per = [max(0, counts.get(f"{prefix}{i}", 0)) for i in range(len(bounds) + 1)]
-    total = sum(per)
-    if not total:
-        return None
-    rank, seen = q * total, 0
-    for i, n in enumerate(per):
-        if n and seen + n >= rank:
-            return (bounds[i - 1] if i else 0.0), (bounds[i] if i < len(bounds) else None)
-        seen += n
-    return bounds[-1], None
-
-
 def _between(bucket: tuple[float, float | None] | None) -> str:
     if bucket is None:
         return ""
@@ -365,7 +349,7 @@ def _percentiles(stats: SubjectStats, *, bounds: tuple[float, ...], prefix: str,
                  value) -> list[dict]:
     rows = []
     for q in PERCENTILES:
-        bucket = _quantile_bucket(stats.counts, bounds, prefix, q)
+        bucket = quantile_bucket(stats.counts, bounds, prefix, q)
         seconds = value(q) if bucket is not None else None
         rows.append({"name": f"p{round(q * 100)}", "value": duration_words(seconds),
                      "ms": None if seconds is None else round(seconds * 1000, 1),
@@ -471,7 +455,7 @@ def _node_card(node_id: str, *, pk: int, stats: SubjectStats | None, minutes: in
         "finished": stats.finished if stats else 0,
         "success": _rate(stats.success_rate if stats else None),
         "p95": duration_words(stats.answer(0.95) if stats else None),
-        "p95_between": _between(_quantile_bucket(counts, ANSWER_BUCKETS_S, "ans:", 0.95)),
+        "p95_between": _between(quantile_bucket(counts, ANSWER_BUCKETS_S, "ans:", 0.95)),
         "tasks_href": f"{TASKS_PATH}?{urlencode(query)}",
         "expired_href": f"{TASKS_PATH}?{urlencode({'status': Status.EXPIRED, **query})}",
         "more_url": reverse("a2a:node_stats", args=[node_id]),

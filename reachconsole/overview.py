@@ -191,7 +191,7 @@ def overview(request: HttpRequest) -> HttpResponse:
         return error_response(request, 400, "Unknown window", BAD_WINDOW.format(
             value=key[:20], choices=", ".join(WINDOWS)), "bad_request")
     now = timezone.now()
-    stats = message_stats(minutes=window.minutes, step_s=window.step_s, now=now, keep=True)
+    stats = message_stats(minutes=window.minutes, step_s=window.step_s, now=now)
     inflight, held = load_totals()
     coverage = capability_coverage(now=now, reuse_s=COVERAGE_REUSE_S)
     context = {

@@ -15,7 +15,7 @@ from directory.coverage import capability_coverage
 from messages.models import Direction, Message, Status
 from messages.rollups import rollups_fold
 from messages.state import Change, changes_apply, messages_insert_new
-from messages.stats import message_stats, percentile_cont
+from messages.stats import message_stats
 from reachconsole.charts import bar_chart, line_chart
 from roster import services
 from roster.models import ClusterNode
@@ -152,12 +152,6 @@ def test_a_row_that_moves_is_counted_in_its_new_status_in_the_bucket_it_was_sent
     folded = rollups_fold(now=now)
     assert folded.read > folded.written > 0
     assert message_stats(minutes=15, step_s=STEP, now=now).totals == later.totals
-
-
-def test_percentile_cont_interpolates_like_postgresql():
-    assert percentile_cont([], 0.5) is None
-    assert percentile_cont([3.0], 0.99) == 3.0
-    assert percentile_cont([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
 
 
 @pytest.mark.django_db
