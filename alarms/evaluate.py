@@ -173,10 +173,24 @@ def _capabilities(found: Found, *, now: datetime, down_nodes: set[str]) -> None:
                             _capability_words(cover), parent=parent))
 
 
-def _failing(stats: SubjectStats) -> bool:
+def _failing(stats: SubjectStats, *, active: bool) -> bool:
+    """Below the setting, with the minimum count; one already firing holds until the rate is
+    back above the setting by REACH_ALARM_CLEAR_MARGIN, so a rate that hovers around the
+    setting raises one alarm, not one a minute."""
     rate = stats.success_rate
-    return (stats.finished >= settings.REACH_ALARM_MIN_TASKS and rate is not None
-            and rate < settings.REACH_ALARM_SUCCESS_MIN)
+    limit = settings.REACH_ALARM_SUCCESS_MIN + (settings.REACH_ALARM_CLEAR_MARGIN if active
+                                                else 0.0)
+    return stats.finished >= settings.REACH_ALARM_MIN_TASKS and rate is not None and rate < limit
+
+
+def _rate_words(stats: SubjectStats) -> str:
+    """"(67%, below 80%)", or, for one held by the margin, what it is back to and where it
+    clears."""
+    low = settings.REACH_ALARM_SUCCESS_MIN
+    if stats.success_rate < low:
+        return f"({stats.success_rate:.0%}, below {low:.0%})"
+    return (f"({stats.success_rate:.0%}: back above {low:.0%}, not yet above "
+            f"{low + settings.REACH_ALARM_CLEAR_MARGIN:.0%}, where this clears)")
 
 
 def _outcomes(stats: SubjectStats) -> str:
@@ -184,17 +198,16 @@ def _outcomes(stats: SubjectStats) -> str:
     return ", ".join(parts) or "none failed"
 
 
-def _delivery(found: Found, *, now: datetime) -> None:
+def _delivery(found: Found, *, now: datetime, active: set[Key]) -> None:
     check, _ = health.delivery_check()
     console = subject_stats(scope=ALL, subject="", window=WINDOW, now=now)
     words = []
     if not check["ok"]:
         words.append(f"Readiness: {check['detail']}.")
-    if _failing(console):
+    if _failing(console, active=(Kind.DELIVERY_FAILING, CONSOLE) in active):
         words.append(
             f"Of the {console.finished} task requests that ended in {WINDOW_WORDS}, only "
-            f"{console.completed} completed ({console.success_rate:.0%}, below "
-            f"{settings.REACH_ALARM_SUCCESS_MIN:.0%}): {_outcomes(console)}.")
+            f"{console.completed} completed {_rate_words(console)}: {_outcomes(console)}.")
     if words:
         found.add(Condition(Kind.DELIVERY_FAILING, CONSOLE, Severity.CRITICAL,
                             " ".join(words) + " See which agents fail on the roster and the "
@@ -220,9 +233,10 @@ def _drops(found: Found) -> None:
             "hour after the last drop."))
 
 
-def _agents(found: Found, *, now: datetime, down_nodes: set[str]) -> None:
+def _agents(found: Found, *, now: datetime, down_nodes: set[str], active: set[Key]) -> None:
     stats = subjects_stats(scope=AGENT, window=WINDOW, now=now)
-    failing = {a for a, s in stats.items() if _failing(s)}
+    failing = {a for a, s in stats.items()
+               if _failing(s, active=(Kind.AGENT_FAILING, a) in active)}
     expiring = {a for a, s in stats.items()
                 if s.n(Status.EXPIRED) >= settings.REACH_ALARM_EXPIRED_MIN}
     if not failing and not expiring:
@@ -241,9 +255,8 @@ def _agents(found: Found, *, now: datetime, down_nodes: set[str]) -> None:
             found.add(Condition(
                 Kind.AGENT_FAILING, agent_id, Severity.WARNING,
                 f"Only {s.completed} of the {s.finished} task requests to {agent_id}{on_node} "
-                f"that ended in {WINDOW_WORDS} completed ({s.success_rate:.0%}, below "
-                f"{settings.REACH_ALARM_SUCCESS_MIN:.0%}): {_outcomes(s)}. Read its errors on "
-                "the messages page; drain it if it keeps failing.",
+                f"that ended in {WINDOW_WORDS} completed {_rate_words(s)}: {_outcomes(s)}. "
+                "Read its errors on the messages page; drain it if it keeps failing.",
                 parent=node_parent))
         if agent_id in expiring:
             expired = s.n(Status.EXPIRED)
@@ -260,12 +273,14 @@ def _agents(found: Found, *, now: datetime, down_nodes: set[str]) -> None:
 def conditions_find(*, now: datetime) -> Found:
     """Everything that holds now. Reads only; no lock is held while reading."""
     found = Found()
+    # What fires now holds by a margin (_failing): read without a lock, as every condition.
+    active = set(Alarm.objects.filter(cleared_at__isnull=True).values_list("kind", "subject"))
     _bus(found)
     down_nodes = _nodes(found)
     _capabilities(found, now=now, down_nodes=down_nodes)
-    _delivery(found, now=now)
+    _delivery(found, now=now, active=active)
     _drops(found)
-    _agents(found, now=now, down_nodes=down_nodes)
+    _agents(found, now=now, down_nodes=down_nodes, active=active)
     for key, condition in list(found.conditions.items()):
         if condition.parent is not None and condition.parent not in found.conditions:
             found.conditions[key] = Condition(condition.kind, condition.subject,

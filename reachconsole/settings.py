@@ -322,6 +322,9 @@ if REACH_ALARM_SUCCESS_MIN > 1:
     raise ImproperlyConfigured(
         f"REACH_ALARM_SUCCESS_MIN={REACH_ALARM_SUCCESS_MIN} is a share: 0 to 1")
 REACH_ALARM_MIN_TASKS = env_int("REACH_ALARM_MIN_TASKS", 5, minimum=1)
+# An agent_failing or delivery_failing alarm clears only once the rate is this far back above
+# REACH_ALARM_SUCCESS_MIN: a rate hovering around it raises one alarm, not a flapping series.
+REACH_ALARM_CLEAR_MARGIN = env_float("REACH_ALARM_CLEAR_MARGIN", 0.05, minimum=0.0)
 # Task requests to one agent found EXPIRED in 5 minutes that raise tasks_expiring.
 REACH_ALARM_EXPIRED_MIN = env_int("REACH_ALARM_EXPIRED_MIN", 3, minimum=1)
 # Cleared alarms are kept this long (0 keeps them all).

@@ -286,6 +286,34 @@ def test_an_agent_failing_its_tasks_raises_agent_failing_and_fewer_than_the_mini
     assert "only 9 completed (60%, below 80%)" in one(K.DELIVERY_FAILING, "console").detail
 
 
+def test_a_rate_hovering_around_the_setting_raises_one_alarm_that_clears_past_a_margin(
+        settings):
+    settings.REACH_ALARM_SUCCESS_MIN = 0.8
+    settings.REACH_ALARM_CLEAR_MARGIN = 0.05
+    settings.REACH_ALARM_MIN_TASKS = 5
+    register("fin.tax", "node-a", capabilities=["tax"])
+    for i in range(10):  # 7 of 10: 70 %, below 80 %
+        request_to("fin.tax", status=Status.COMPLETED if i < 7 else Status.TASK_ERROR,
+                   seconds_ago=30 + i * 20)
+    alarms_evaluate()
+    (first,) = active(K.AGENT_FAILING)
+
+    for _ in range(7):  # 14 of 17: 82 %, above 80 % but not above 85 %
+        request_to("fin.tax", status=Status.COMPLETED, seconds_ago=10)
+    alarms_evaluate()
+    (held,) = active(K.AGENT_FAILING)
+    assert held.pk == first.pk  # the same alarm, not cleared and fired again
+    assert "(82%: back above 80%, not yet above 85%, where this clears)" in held.detail
+
+    for _ in range(10):  # 24 of 27: 89 %
+        request_to("fin.tax", status=Status.COMPLETED, seconds_ago=10)
+    alarms_evaluate()
+    assert active(K.AGENT_FAILING) == []
+    first.refresh_from_db()
+    assert first.cleared_at is not None
+    assert Alarm.objects.filter(kind=K.AGENT_FAILING).count() == 1
+
+
 def test_an_agent_both_failing_and_expiring_raises_its_expiries_under_its_failing():
     register("fin.tax", "node-a", capabilities=["tax"])
     for seconds_ago in (250, 200, 150, 100, 50):
