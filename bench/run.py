@@ -20,16 +20,6 @@ import time
 import common
 
 
-def migrate() -> None:
-    """The schema follows the code: migrate the bench database every time (quick when
-    there is nothing to do)."""
-    env = {**os.environ, "DATABASE_URL": common.DATABASE_URL}
-    done = subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"],
-                          cwd=common.ROOT, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise common.ServiceDown(f"migrating {common.BENCH_DB} failed:\n{done.stderr[-3000:]}")
-
-
 def bench(script: str, *args: str) -> int:
     print(f"\n=== {script} {' '.join(args)}".rstrip(), flush=True)
     started = time.monotonic()
@@ -45,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         common.services_check()
-        migrate()
+        common.migrate()
     except common.ServiceDown as exc:
         print(f"\nBENCH NOT RUN: {exc}", file=sys.stderr)
         return 1

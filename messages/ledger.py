@@ -29,6 +29,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import ClassVar
 
 from django.conf import settings
 from django.db import connection
@@ -89,13 +90,25 @@ def task_key(row) -> tuple[str, str, str]:
     return row.direction, task_id, member
 
 
+# Plain strings: the ledger runs for every row, and an Enum member's lookup costs more
+# than the comparison.
+_SEND = Direction.SEND.value
+_LOCAL_CONSUMED = Status.LOCAL_CONSUMED.value
+_ACKED = Status.ACKED.value
+_ANSWERS = frozenset({Status.COMPLETED.value, Status.TASK_ERROR.value})
+_COUNTED_PLAIN = frozenset(str(s) for s in COUNTED) - {_LOCAL_CONSUMED}
+
+
 def _counted(row) -> str | None:
     """The status a row is counted in, if any: a task request a console agent answered is
     counted by its outcome (COMPLETED, or TASK_ERROR when its handler failed), like its
     task; every other row by its status."""
-    if row.status == Status.LOCAL_CONSUMED and row.message_type == TASK_REQUEST:
-        return task_status(row)
-    return row.status if row.status in COUNTED else None
+    status = row.status
+    if status in _COUNTED_PLAIN:
+        return status
+    if status == _LOCAL_CONSUMED:
+        return task_status(row) if row.message_type == TASK_REQUEST else status
+    return None
 
 
 def task_status(row) -> str:
@@ -104,6 +117,69 @@ def task_status(row) -> str:
     if row.status == Status.LOCAL_CONSUMED:
         return Status.TASK_ERROR if row.error else Status.COMPLETED
     return row.status
+
+
+# What the ledger learns of a row, as a Counter key (Ledger.inserted, Ledger.moved):
+#   (_NEW, created_at, held, duplicate, counted status, request, starts a task, a retry,
+#    to agent, node, publish → ACK bucket, sent → answered bucket)
+#   (_MOVED, created_at, counted status before, counted status now, request, to agent, node,
+#    publish → ACK bucket, sent → answered bucket)
+_NEW, _MOVED = "new", "moved"
+
+
+def _subjects(request: bool, agent: str, node: str) -> list[tuple[str, str]]:
+    """Whose numbers a row is in: the console's always; a request's also its agent's and
+    its node's."""
+    subjects = [(ALL, "")]
+    if request and agent:
+        subjects.append((AGENT, agent))
+    if request and node:
+        subjects.append((NODE, node))
+    return subjects
+
+
+def _histograms(out: Counter, subjects, at, latency, answer, n: int) -> None:
+    for scope, subject in subjects:
+        if latency is not None:
+            out[(scope, subject, f"lat:{latency}", at)] += n
+        if answer is not None:
+            out[(scope, subject, f"ans:{answer}", at)] += n
+
+
+def _new_counts(out: Counter, fact: tuple, n: int) -> None:
+    (_, at, held, duplicate, status, request, starts, retry, agent, node, latency,
+     answer) = fact
+    out[(ALL, "", "messages", at)] += n
+    if duplicate:
+        out[(ALL, "", "duplicates", at)] += n
+    if held:
+        out[(ALL, "", "held", at)] += n
+    if status:
+        out[(ALL, "", status_metric(status), at)] += n
+    if not request:
+        return
+    subjects = _subjects(True, agent, node)
+    for scope, subject in subjects:
+        out[(scope, subject, "requests", at)] += n
+        if starts:
+            out[(scope, subject, "tasks", at)] += n
+        if retry:
+            out[(scope, subject, "retries", at)] += n
+        if status and scope != ALL:
+            out[(scope, subject, status_metric(status), at)] += n
+    _histograms(out, subjects, at, latency, answer, n)
+
+
+def _moved_counts(out: Counter, fact: tuple, n: int) -> None:
+    _, at, before, now, request, agent, node, latency, answer = fact
+    subjects = _subjects(request, agent, node)
+    for scope, subject in subjects:
+        if before:
+            out[(scope, subject, status_metric(before), at)] -= n
+        if now:
+            out[(scope, subject, status_metric(now), at)] += n
+    if request:
+        _histograms(out, subjects, at, latency, answer, n)
 
 
 @dataclass
@@ -125,9 +201,18 @@ class TaskDelta:
 
 @dataclass
 class Ledger:
-    """The counts and task changes of the rows one transaction writes."""
+    """The counts and task changes of the rows one transaction writes.
 
-    counts: Counter = field(default_factory=Counter)
+    Counting is on the ingest path of every row, so a row costs one key in a Counter: what
+    was learned about it (`_NewRow`, `_MovedRow`, as plain tuples). The metrics each key
+    stands for are spelled out once per distinct key, at write: a batch of hundreds of rows
+    to a few agents is a few dozen keys."""
+
+    # What is kept: switched off only by bench/ingest.py, to measure what each costs.
+    keep_numbers: ClassVar[bool] = True
+    keep_tasks: ClassVar[bool] = True
+
+    facts: Counter = field(default_factory=Counter)
     tasks: list[TaskDelta] = field(default_factory=list)
 
     # --- what happened ------------------------------------------------------------------
@@ -137,105 +222,99 @@ class Ledger:
         written (messages.rollups.rollups_rebuild), which leaves tasks alone, counts the
         publish → ACK time of every row that has one whatever its status now, and cannot
         tell whether a row was held."""
+        numbers = self.keep_numbers
+        tasks = tasks and self.keep_tasks and not rebuilt
+        facts = self.facts
         for row in rows:
-            at = row.created_at
-            self._add(ALL, "", at, "messages")
             request = row.message_type == TASK_REQUEST
-            if row.message_type == "ACK":
-                payload = getattr(row, "wire_payload", None) or row.payload
-                if isinstance(payload, dict) and payload.get("duplicate") is True:
-                    self._add(ALL, "", at, "duplicates")
-            if row.held and not rebuilt:
-                self._add(ALL, "", at, "held")
-            status = _counted(row)
-            if status:
-                self._add(ALL, "", at, status_metric(status))
-            if not request:
-                continue
-            starts = row.attempt == 1 and row.resend_of_id is None
-            retry = row.direction == Direction.SEND and row.attempt > 1
-            subjects = self._subjects(row)
-            for scope, subject in subjects:
-                self._add(scope, subject, at, "requests")
-                if starts:
-                    self._add(scope, subject, at, "tasks")
-                if retry:
-                    self._add(scope, subject, at, "retries")
-                if status and scope != ALL:
-                    self._add(scope, subject, at, status_metric(status))
-            self._latencies(row, previous="", subjects=subjects, rebuilt=rebuilt)
-            if tasks and not rebuilt:
+            if numbers:
+                duplicate = False
+                if row.message_type == "ACK":
+                    payload = getattr(row, "wire_payload", None) or row.payload
+                    duplicate = isinstance(payload, dict) and payload.get("duplicate") is True
+                held = bool(row.held) and not rebuilt
+                status = _counted(row)
+                if request:
+                    send = row.direction == _SEND
+                    latency = answer = None
+                    if send or row.status in _ANSWERS:  # else neither histogram has it
+                        latency, answer = self._latencies(row, previous="", rebuilt=rebuilt)
+                    attempt = row.attempt
+                    facts[(_NEW, row.created_at, held, duplicate, status, True,
+                           attempt == 1 and row.resend_of_id is None, send and attempt > 1,
+                           row.to_agent_id, row.target_node_id, latency, answer)] += 1
+                else:
+                    facts[(_NEW, row.created_at, held, duplicate, status, False,
+                           False, False, "", "", None, None)] += 1
+            if request and tasks:
                 self._task(row, attempts=1, answered_by=self._answerer(row, ""))
 
     def moved(self, row, *, previous: str, answered_by: str = "") -> None:
         """`row` (with its new values) moved from `previous`."""
-        at = row.created_at
         request = row.message_type == TASK_REQUEST
-        subjects = self._subjects(row) if request else [(ALL, "")]
-        now_counted = _counted(row)
-        for scope, subject in subjects:
-            if previous in COUNTED:
-                self._add(scope, subject, at, status_metric(previous), -1)
-            if now_counted:
-                self._add(scope, subject, at, status_metric(now_counted))
-        if not request:
-            return
-        self._latencies(row, previous=previous, subjects=subjects)
-        if row.status != Status.RETRIED:  # the new attempt carries the task on
+        if self.keep_numbers:
+            now_counted = _counted(row)
+            was_counted = previous if previous in COUNTED else None
+            if request:
+                latency, answer = self._latencies(row, previous=previous)
+                self.facts[(_MOVED, row.created_at, was_counted, now_counted, True,
+                            row.to_agent_id, row.target_node_id, latency, answer)] += 1
+            elif was_counted or now_counted:
+                self.facts[(_MOVED, row.created_at, was_counted, now_counted, False,
+                            "", "", None, None)] += 1
+        if request and self.keep_tasks and row.status != Status.RETRIED:
+            # RETRIED: the new attempt carries the task on.
             self._task(row, attempts=0, answered_by=self._answerer(row, answered_by))
 
     def reworded(self, rows) -> None:
         """Request rows whose words changed but not their status (a late PUBACK's): their
         tasks show the same words."""
+        if not self.keep_tasks:
+            return
         for row in rows:
             if row.message_type == TASK_REQUEST:
                 self._task(row, attempts=0, answered_by="")
 
-    def _latencies(self, row, *, previous: str, subjects: list[tuple[str, str]],
-                   rebuilt: bool = False) -> None:
-        at = row.created_at
-        first_ack = rebuilt or (row.status == Status.ACKED
+    @staticmethod
+    def _latencies(row, *, previous: str, rebuilt: bool = False
+                   ) -> tuple[int | None, int | None]:
+        """The histogram buckets this change of a request adds to, if any: publish → ACK
+        (once per transmission, as reach_delivery_latency_seconds has it) and sent (or
+        first seen) → answered."""
+        latency = answer = None
+        first_ack = rebuilt or (row.status == _ACKED
                                 and previous not in ANSWERED_STATUSES)
-        if (row.direction == Direction.SEND and first_ack and row.published_at
+        if (row.direction == _SEND and first_ack and row.published_at
                 and row.acked_at):
-            # publish → ACK, once per transmission, as reach_delivery_latency_seconds has it.
             seconds = max(0.0, (row.acked_at - row.published_at).total_seconds())
-            index = _histogram_index(LATENCY_BUCKETS_S, seconds)
-            for scope, subject in subjects:
-                self._add(scope, subject, at, f"lat:{index}")
-        if row.status in (Status.COMPLETED, Status.TASK_ERROR) and previous not in (
-                Status.COMPLETED, Status.TASK_ERROR):
-            # sent (or first seen) → answered.
-            seconds = max(0.0, ((row.finished_at or row.updated_at) - at).total_seconds())
-            index = _histogram_index(ANSWER_BUCKETS_S, seconds)
-            for scope, subject in subjects:
-                self._add(scope, subject, at, f"ans:{index}")
+            latency = _histogram_index(LATENCY_BUCKETS_S, seconds)
+        if row.status in _ANSWERS and previous not in _ANSWERS:
+            finished = row.finished_at or row.updated_at
+            seconds = max(0.0, (finished - row.created_at).total_seconds())
+            answer = _histogram_index(ANSWER_BUCKETS_S, seconds)
+        return latency, answer
+
+    def counts(self) -> Counter:
+        """(scope, subject, metric, moment) → n: what the facts collected so far add up to."""
+        out: Counter = Counter()
+        for fact, n in self.facts.items():
+            if fact[0] == _NEW:
+                _new_counts(out, fact, n)
+            else:
+                _moved_counts(out, fact, n)
+        return out
 
     # --- kept ---------------------------------------------------------------------------
     def write(self) -> None:
         """Write what was collected, inside the caller's transaction, and start afresh."""
-        if self.counts:
-            _rollups_insert(self.counts)
-            self.counts = Counter()
+        if self.facts:
+            _rollups_insert(self.counts())
+            self.facts = Counter()
         if self.tasks:
             _tasks_upsert(self.tasks)
             self.tasks = []
 
     # --- helpers ------------------------------------------------------------------------
-    @staticmethod
-    def _subjects(row) -> list[tuple[str, str]]:
-        subjects = [(ALL, "")]
-        if row.to_agent_id:
-            subjects.append((AGENT, row.to_agent_id))
-        if row.target_node_id:
-            subjects.append((NODE, row.target_node_id))
-        return subjects
-
-    def _add(self, scope: str, subject: str, at: datetime, metric: str, n: int = 1) -> None:
-        # Keyed by the moment itself, put into buckets once at write: the rows of one batch
-        # share their `now`, so a batch of hundreds adds up to a few dozen keys.
-        self.counts[(scope, subject, metric, at)] += n
-
     @staticmethod
     def _answerer(row, heard_from: str) -> str:
         if row.status == Status.LOCAL_CONSUMED:
