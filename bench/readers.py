@@ -26,7 +26,10 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import common
 
@@ -160,12 +163,16 @@ def peak_connections(stop: threading.Event, peak: list[int]) -> None:
             peak[0] = max(peak[0], count)
 
 
-def run_once(mode: str, pool_max: int, args, session: str, secret: str) -> dict:
+@contextmanager
+def daphne_running(secret: str, tag: str, **settings: str
+                   ) -> Iterator[tuple[subprocess.Popen, int, IO[str]]]:
+    """A stock Daphne on a free port, on the bench database and Redis, until the block
+    ends: (the process, its port, its log so far)."""
     port = free_port()
     env = {**os.environ, "DATABASE_URL": DATABASE_URL, "REDIS_URL": common.REDIS_URL,
            "DJANGO_SECRET_KEY": secret, "REACH_SERVICE_TOKENS": TOKEN,
-           "REACH_DB_POOL": "1" if mode == "pool" else "0", "REACH_DB_POOL_MAX": str(pool_max),
-           "REACH_CHANNEL_PREFIX": common.run_tag("readers"), "REACH_LOG_LEVEL": "WARNING"}
+           "REACH_CHANNEL_PREFIX": common.run_tag(tag), "REACH_LOG_LEVEL": "WARNING",
+           **settings}
     env.pop("MQTT_URL", None)
     with tempfile.TemporaryFile("w+", encoding="utf-8") as log:
         daphne = subprocess.Popen(
@@ -174,21 +181,27 @@ def run_once(mode: str, pool_max: int, args, session: str, secret: str) -> dict:
             cwd=common.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_healthy(port)
-            cpu_before = daphne_cpu(daphne.pid)
-            stop, peak = threading.Event(), [0]
-            sampler = threading.Thread(target=peak_connections, args=(stop, peak), daemon=True)
-            sampler.start()
-            readers = Readers(port, session, args.readers, args.seconds)
-            elapsed = readers.run()
-            stop.set()
-            sampler.join(5)
-            cpu = daphne_cpu(daphne.pid) - cpu_before
+            yield daphne, port, log
         finally:
             daphne.send_signal(signal.SIGINT)
             try:
                 daphne.wait(20)
             except subprocess.TimeoutExpired:
                 daphne.kill()
+
+
+def run_once(mode: str, pool_max: int, args, session: str, secret: str) -> dict:
+    with daphne_running(secret, "readers", REACH_DB_POOL="1" if mode == "pool" else "0",
+                        REACH_DB_POOL_MAX=str(pool_max)) as (daphne, port, log):
+        cpu_before = daphne_cpu(daphne.pid)
+        stop, peak = threading.Event(), [0]
+        sampler = threading.Thread(target=peak_connections, args=(stop, peak), daemon=True)
+        sampler.start()
+        readers = Readers(port, session, args.readers, args.seconds)
+        elapsed = readers.run()
+        stop.set()
+        sampler.join(5)
+        cpu = daphne_cpu(daphne.pid) - cpu_before
         log.seek(0)
         too_many = log.read().count("too many clients")
     every = [x for values in readers.latencies.values() for x in values]

@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     codes.append(bench("roster_pages.py", *(["--strict"] if args.strict else [])))
     codes.append(bench("stream_latency.py", *(["--strict"] if args.strict else [])))
     codes.append(bench("bridges.py"))  # one bridge vs two (shared subscriptions)
+    # 200 callers on `wait: true` for 60 s, and the readers meanwhile.
+    codes.append(bench("waiters.py", *(["--strict"] if args.strict else [])))
     # Its own database (reachconsole_timeline_bench): loading 1,000,000 rows takes minutes.
     codes.append(bench("timeline.py", *(["--strict"] if args.strict else [])))
     # Its own database (reachconsole_overview_bench): the overview and the stats at a

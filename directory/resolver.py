@@ -23,7 +23,7 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 from django.conf import settings
@@ -453,4 +453,5 @@ def resolve_agent_node(
         return Resolution(None, None, level,
                           f"{to_agent_id} on {node_id} cannot take work: {candidate.why}",
                           [candidate], outcome=NOT_DELIVERABLE)
-    return Resolution(candidate.agent_id, node_id, level, "live", [candidate])
+    return Resolution(candidate.agent_id, node_id, level, "live",
+                      [replace(candidate, chosen=True)])

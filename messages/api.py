@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
-import time
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -38,10 +36,10 @@ from messages.selectors import (
     task_response,
 )
 from messages.taskbook import MAX_PAGE, task_entries, task_out, task_story, tasks_page
+from messages.waits import answer_waits
 from reachconsole.core.apidoc import BodyIn, JsonValue, json_int, refusals
 from reachconsole.core.errors import ApiError
-from reachconsole.core.jsonsafe import NUL_CHARACTER as NUL
-from reachconsole.core.jsonsafe import WORDS
+from reachconsole.core.idle import db_then_idle
 from reachconsole.core.moments import utc_moment
 from roster.fields import AGENT_ID_INPUT_PATTERN, NAME, AgentIdInput, NodeId
 from roster.models import NAME_RE
@@ -134,23 +132,26 @@ _MESSAGE_LINKS = {
 async def send(request: HttpRequest, body: SendIn):
     """`to`: an agent id, `@mention`, `capability:name` or `#group` (one row per member).
     With `wait`, answers with the TASK_RESPONSE, or 202 when it does not come in time."""
-    status, out = await sync_to_async(_send)(request.auth, body)
-    if body.wait and out.get("status") == "LOCAL_CONSUMED":
-        # A console agent answered in-process: its response is stored already.
-        return Status(200, await sync_to_async(_task_outcome)(out["messageId"]) or out)
-    if not body.wait or out.get("status") != "SENT":
+    if not body.wait:
+        status, out = await sync_to_async(_send)(request.auth, body)
         return Status(status, out)
-    # Waiting holds no transaction and no thread: short reads between asyncio sleeps.
-    deadline = time.monotonic() + ((body.timeout_ms or 30000) + WAIT_MARGIN_MS) / 1000
-    pause = 0.02
-    while time.monotonic() < deadline:
-        await asyncio.sleep(pause)
-        pause = min(pause * 1.5, 0.25)
-        outcome = await sync_to_async(_task_outcome)(out["messageId"])
-        if outcome is not None:
-            return Status(200, outcome)
+    # Waiting holds no connection and no thread (messages/waits.py): each read gives both
+    # back before the wait goes on.
+    status, out = await db_then_idle(_send, request.auth, body)
+    if out.get("status") == "LOCAL_CONSUMED":
+        # A console agent answered in-process: its response is stored already.
+        outcome = await db_then_idle(_task_outcome, out["messageId"])
+        return Status(*outcome) if outcome else Status(200, out)
+    if out.get("status") != "SENT":
+        return Status(status, out)
+    timeout_s = ((body.timeout_ms or 30000) + WAIT_MARGIN_MS) / 1000
+    outcome = await answer_waits.wait(
+        out["taskId"] or out["messageId"], timeout_s=timeout_s,
+        check=lambda: db_then_idle(_task_outcome, out["messageId"]))
+    if outcome is not None:
+        return Status(*outcome)
     # Not SENT any more, most likely: say where the task stands now (e.g. ACKED).
-    out = await sync_to_async(_task_state)(out["messageId"]) or out
+    out = await db_then_idle(_task_state, out["messageId"]) or out
     out["detail"] = TIMEOUT_WORDS.replace("{id}", out["messageId"])
     return Status(202, out)
 
@@ -207,8 +208,10 @@ def _attempts(message_id: str) -> list[Message]:
     return ours
 
 
-def _task_outcome(message_id: str) -> dict | None:
-    """The task's answer once it has one: its response, or how its last attempt ended."""
+def _task_outcome(message_id: str) -> tuple[int, dict] | None:
+    """The task's end once it has one: 200 with its response, or with how its last attempt
+    ended; 202 when its own deadline ended it (EXPIRED), which is running out of time: the
+    executor may have taken it and be working on it still."""
     attempts = _attempts(message_id)
     answered = [m for m in attempts if m.status in DONE_STATUSES]
     if answered:
@@ -218,11 +221,15 @@ def _task_outcome(message_id: str) -> dict | None:
         # Not masked (messages/redact.py): this is the result the caller asked for, not a
         # record shown to someone else.
         out["response"] = response.payload if response else None
-        return out
+        return 200, out
     last = attempts[-1] if attempts else None
-    if last is not None and last.status in FINAL_STATUSES:
-        return message_out(last)
-    return None
+    if last is None or last.status not in FINAL_STATUSES:
+        return None
+    out = message_out(last)
+    if last.status == TaskState.EXPIRED:
+        out["detail"] = TIMEOUT_WORDS.replace("{id}", out["messageId"])
+        return 202, out
+    return 200, out
 
 
 def _task_state(message_id: str) -> dict | None:
@@ -391,16 +398,7 @@ def tasks_list(request: HttpRequest, response: HttpResponse, query: Query[TaskQu
     return Status(200, [task_out(t) for t in page.rows])
 
 
-def _path_text(value: str, name: str) -> str:
-    """A path parameter the database can be asked about: PostgreSQL refuses a NUL."""
-    if "\x00" in value:
-        raise ApiError(422, "nul_character", WORDS[NUL].format(where=f"the {name} in the path")
-                       + ", which no id the console stores contains")
-    return value
-
-
 def _one_task(request: HttpRequest, task_id: str):
-    _path_text(task_id, "task id")
     entries = task_entries(task_id, namespaces=request.auth.token.namespaces)
     if not entries:
         raise ApiError(404, "task_not_found", f"no task {task_id[:200]} is recorded"
@@ -435,7 +433,6 @@ def task_cancel_api(request: HttpRequest, task_id: str, body: CancelIn | None = 
     """Every open transmission of the task ends CANCELED; nodes that may have it are sent
     CANCEL. 409 when the task is already final."""
     body = body or CancelIn()
-    _path_text(task_id, "task id")
     done = task_cancel(task_id=task_id, by=request.auth.label, reason=body.reason,
                        member=body.member, within=request.auth.token.namespaces)
     entries = task_entries(task_id)
@@ -456,7 +453,6 @@ def agent_stats(request: HttpRequest, agent_id: str, query: Query[StatsQuery]):
     """Tasks sent to the agent in the window and what became of them, with publish → ACK
     and sent → answered percentiles (from histograms: see the bounds)."""
     window = window_read(query.window)
-    _path_text(agent_id, "agent id")
     namespace = namespace_of(agent_id)
     if namespace is not None:
         request.auth.require_namespace(namespace)
@@ -469,7 +465,6 @@ def agent_stats(request: HttpRequest, agent_id: str, query: Query[StatsQuery]):
 def node_stats(request: HttpRequest, node_id: str, query: Query[StatsQuery]):
     """The same numbers for every task sent to agents on the node."""
     window = window_read(query.window)
-    _path_text(node_id, "node id")
     if request.auth.token.namespaces is not None:
         raise ApiError(403, "namespace_forbidden", "a node's numbers span namespaces: a token "
                        "bound to namespaces reads its agents' numbers instead")

@@ -23,7 +23,7 @@ from channels.layers import get_channel_layer
 from django.core.cache import cache
 from django.db import transaction
 
-from messages.models import FAILURE_STATUSES, Message
+from messages.models import DONE_STATUSES, FAILURE_STATUSES, FINAL_STATUSES, Message
 from messages.rows import message_fields
 from messages.tally import events_count
 
@@ -33,6 +33,9 @@ EVENT_MESSAGE = "a2a_message"
 EVENT_FAILED = "a2a_failed"
 TIMELINE_GROUP = "a2a.timeline"
 SKILL_PROGRESS_GROUP = "a2a.skill_progress"
+# The ends of task requests, for the API processes where somebody waits for an answer
+# (messages/waits.py); sent only while one listens (interest, below).
+ANSWERS_GROUP = "a2a.answers"
 FRAME_TYPE = "a2a.events"  # handled by consumers' a2a_events()
 MAX_EVENTS_PER_FRAME = 500
 MAX_PENDING_FLUSHES = 1000
@@ -55,8 +58,12 @@ def session_group(session_id: str) -> str:
     return _hashed("session", session_id)
 
 
+ENDS = DONE_STATUSES | FINAL_STATUSES
+
+
 def event_groups(event: dict[str, Any]) -> list[str]:
-    """The timeline, plus the conversation's, else the scene's, else the session's group."""
+    """The timeline, plus the conversation's, else the scene's, else the session's group;
+    and the answers' group for a task request that reached an end."""
     if event.get("conversationId"):
         scoped = conversation_group(event["conversationId"])
     elif event.get("sceneGroupId"):
@@ -65,6 +72,9 @@ def event_groups(event: dict[str, Any]) -> list[str]:
         scoped = session_group(event["sessionId"])
     else:
         scoped = SKILL_PROGRESS_GROUP
+    if (event.get("messageType") == "TASK_REQUEST" and event.get("status") in ENDS
+            and event.get("event") == EVENT_MESSAGE):
+        return [TIMELINE_GROUP, scoped, ANSWERS_GROUP]
     return [TIMELINE_GROUP, scoped]
 
 

@@ -47,6 +47,7 @@ from messages.rows import (
 )
 from messages.state import Change, Heard, atomic_retrying, changes_apply, messages_insert_new
 from roster.errors import RosterError
+from roster.models import NODE_ID_RE
 from roster.services import agent_id_parse, agents_drain_for_node, heartbeat_record
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,12 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
                 counts["rejected:not_a_heartbeat"] += 1
                 _log_once_a_minute("not_a_heartbeat", f"{env.message_type} on {item.topic}")
                 continue
+            if not NODE_ID_RE.fullmatch(match.node_id):
+                # A topic level MQTT allows but no node can be named (the roster's rule):
+                # refused here, not by the roster in the middle of the batch's heartbeats.
+                counts["rejected:invalid_node_id"] += 1
+                _log_once_a_minute("invalid_node_id", f"heartbeat on {item.topic[:200]}")
+                continue
             heartbeats.append((match.node_id, env))
             continue
         direction = Direction.RECV if match.node_id == node_id else Direction.OBSERVED
@@ -130,7 +137,12 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
         # should not hold while it waits for message rows (lock order, no deadlocks).
         with transaction.atomic():
             for hb_node, env in heartbeats:
-                _heartbeat(hb_node, env, now=now, counts=counts)
+                try:
+                    with transaction.atomic():  # one refused heartbeat leaves the others
+                        _heartbeat(hb_node, env, now=now, counts=counts)
+                except RosterError as exc:
+                    counts["rejected:heartbeat_refused"] += 1
+                    _log_once_a_minute("heartbeat_refused", f"from {hb_node}: {exc.detail}")
     # Before the batch, in transactions of their own: a DRAIN takes roster locks, which the
     # batch must not take while it holds message rows (messages/load.py, the lock order).
     # Its answer is written by the batch, so it leaves only after the drain committed.

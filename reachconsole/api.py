@@ -53,10 +53,34 @@ class StrictParser(Parser):
         return super().parse_querydict(data, list_fields, request)
 
 
-api = NinjaAPI(
+SOURCE_SCHEME = "SourceHeader"
+
+
+class ConsoleAPI(NinjaAPI):
+    """Every call needs the token and `X-OODER-Source` (reachconsole/core/auth.py): the
+    document says so, as a second security scheme required with the token, so that the
+    docs page's Authorize asks for both and "Try it out" works."""
+
+    def get_openapi_schema(self, *, path_prefix=None, path_params=None):
+        schema = super().get_openapi_schema(path_prefix=path_prefix, path_params=path_params)
+        schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+        trusted = ", ".join(sorted(settings.REACH_TRUSTED_SOURCES))
+        schemes[SOURCE_SCHEME] = {
+            "type": "apiKey", "in": "header", "name": "X-OODER-Source",
+            "description": f"the calling system, one of: {trusted} (REACH_TRUSTED_SOURCES)"}
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                for requirement in operation.get("security") or []:
+                    if "ServiceAuth" in requirement:
+                        requirement[SOURCE_SCHEME] = []  # with the token, not instead
+        return schema
+
+
+api = ConsoleAPI(
     title="reachconsole",
     version="1.0",
-    description="Lifecycle API of the A2A console (see PROTOCOL.md, Northbound HTTP)",
+    description="Lifecycle API of the A2A console (see docs/protocol.md, Northbound HTTP). "
+                "Authorize with a service token and the calling system's X-OODER-Source.",
     auth=ServiceAuth(),
     urls_namespace="api",
     parser=StrictParser(),

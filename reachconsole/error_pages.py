@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.core.exceptions import DisallowedHost
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
@@ -130,18 +131,50 @@ def csrf_failure(request: HttpRequest, reason: str = "") -> HttpResponse:
 
 NUL_IN_QUERY = ("The address holds a NUL character (%00), which no filter, search or page of "
                 "the console can contain. Remove it and try again.")
+NUL_IN_API_PATH = ("the path contains a NUL character (\\u0000, %00), which no id the console "
+                   "stores contains; remove it")
 
 
 class NulQueryMiddleware:
-    """A NUL in a page's query string is refused with words (400), before a filter or a
-    cursor takes it to PostgreSQL, which cannot store or compare it (a 500 otherwise). The
-    API refuses it itself, as 422 (reachconsole/api.py)."""
+    """A NUL in a page's address is refused with words (400), before a filter, a cursor or
+    an id takes it to PostgreSQL, which cannot store or compare it (a 500 otherwise). In an
+    API path it is a 422 in the API's shape; the API refuses one in a query or a body
+    itself (reachconsole/api.py)."""
+
+    # Both: a sync-only middleware puts every request below it on a thread for its whole
+    # life under ASGI (reachconsole/core/idle.py).
+    sync_capable = True
+    async_capable = True
 
     def __init__(self, get_response):
         self.get_response = get_response
+        self.async_mode = iscoroutinefunction(get_response)
+        if self.async_mode:
+            markcoroutinefunction(self)
 
-    def __call__(self, request: HttpRequest) -> HttpResponse:
-        if not _is_api(request) and "\x00" in "".join(
-                key + "".join(values) for key, values in request.GET.lists()):
-            return error_response(request, 400, WORDS[400][0], NUL_IN_QUERY, WORDS[400][2])
+    def __call__(self, request: HttpRequest):
+        if self.async_mode:
+            return self.__acall__(request)
+        if self._nul(request):
+            return self._refusal(request)
         return self.get_response(request)
+
+    async def __acall__(self, request: HttpRequest) -> HttpResponse:
+        if self._nul(request):
+            # The page's context processors read the database: on a thread.
+            return await sync_to_async(self._refusal)(request)
+        return await self.get_response(request)
+
+    @staticmethod
+    def _nul(request: HttpRequest) -> bool:
+        if "\x00" in request.path_info:
+            return True
+        return not _is_api(request) and "\x00" in "".join(
+            key + "".join(values) for key, values in request.GET.lists())
+
+    @staticmethod
+    def _refusal(request: HttpRequest) -> HttpResponse:
+        if _is_api(request):
+            return JsonResponse({"error": "nul_character", "detail": NUL_IN_API_PATH},
+                                status=422)
+        return error_response(request, 400, WORDS[400][0], NUL_IN_QUERY, WORDS[400][2])

@@ -16,11 +16,14 @@ from datetime import timedelta
 
 from axes.handlers.database import AxesDatabaseHandler
 from axes.handlers.proxy import AxesProxyHandler
+from axes.models import AccessAttempt
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.forms import AuthenticationForm
+from django.db.models import Sum
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
+from django.utils import timezone
 
 from reachconsole.core.audit import audit_record
 
@@ -30,6 +33,10 @@ USERNAME_MAX = 150
 LOCKED_AUDIT = (
     "throttled at {path}: {limit} failed logins for this user name from this address; "
     "refused for {duration} after the last one"
+)
+ADDRESS_LOCKED_AUDIT = (
+    "throttled at {path}: {limit} failed logins from this address, whatever the user name; "
+    "every user name from it refused for {duration} after the last one"
 )
 
 
@@ -60,9 +67,15 @@ def attempt_username(request: HttpRequest, credentials: dict | None = None) -> s
 
 
 class LoginAttempts(AxesDatabaseHandler):
-    """django-axes' database handler, with the request's header text made storable first: a
-    NUL in a User-Agent or Accept header would otherwise make PostgreSQL refuse the attempt's
-    row, and a failed login would become a 500 instead of being counted."""
+    """django-axes' database handler, with two additions:
+
+    - the request's header text made storable first: a NUL in a User-Agent or Accept header
+      would otherwise make PostgreSQL refuse the attempt's row, and a failed login would
+      become a 500 instead of being counted;
+    - a limit per address across user names (REACH_LOGIN_MAX_FAILURES_PER_ADDRESS), higher
+      than the pair's, so that one address trying many user names (password spraying) is
+      stopped too, while one person's mistyping behind a shared address locks no one else.
+    """
 
     def user_login_failed(self, sender, credentials: dict, request=None, **kwargs):
         if request is not None:
@@ -71,7 +84,28 @@ class LoginAttempts(AxesDatabaseHandler):
                 value = getattr(request, attr, None)
                 if isinstance(value, str):
                     setattr(request, attr, value.replace("\x00", ""))
-        return super().user_login_failed(sender, credentials, request, **kwargs)
+        out = super().user_login_failed(sender, credentials, request, **kwargs)
+        if request is not None and address_locked(request):
+            request.axes_locked_out = True  # this failure reached the address's limit
+        return out
+
+    def is_locked(self, request, credentials: dict | None = None) -> bool:
+        return super().is_locked(request, credentials) or address_locked(request)
+
+
+def address_failures(request: HttpRequest) -> int:
+    """Failed logins from the request's address within the cool-off, whatever user name."""
+    address = client_address(request)
+    if address is None:
+        return 0
+    since = timezone.now() - cool_off(request)
+    total = (AccessAttempt.objects.filter(ip_address=address, attempt_time__gte=since)
+             .aggregate(n=Sum("failures_since_start"))["n"])
+    return total or 0
+
+
+def address_locked(request: HttpRequest) -> bool:
+    return address_failures(request) >= settings.REACH_LOGIN_MAX_FAILURES_PER_ADDRESS
 
 
 def failure_limit(request: HttpRequest, credentials: dict | None = None) -> int:
@@ -102,15 +136,19 @@ def lockout_response(request: HttpRequest, original_response=None,
     username = attempt_username(request, credentials) or ""
     seconds = settings.REACH_LOGIN_LOCKOUT_S
     duration = duration_words(seconds)
+    by_address = address_locked(request)
+    words = ADDRESS_LOCKED_AUDIT if by_address else LOCKED_AUDIT
+    limit = (settings.REACH_LOGIN_MAX_FAILURES_PER_ADDRESS if by_address
+             else failure_limit(request))
     audit_record(
         actor=username or "anonymous", action="login",
         target=client_address(request) or "unknown address", result="refused",
-        detail=LOCKED_AUDIT.format(path=request.path[:200], limit=failure_limit(request),
-                                   duration=duration),
+        detail=words.format(path=request.path[:200], limit=limit, duration=duration),
     )
     next_url = request.POST.get("next") or request.GET.get("next") or ""
     response = render(request, "registration/login.html", {
         "form": AuthenticationForm(request), "throttled": duration, "next": next_url,
+        "throttled_by_address": by_address,
     }, status=429)
     response["Retry-After"] = str(seconds)
     return response

@@ -61,7 +61,9 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     # Database or Redis down: 503 + Retry-After instead of 500, for everything below it.
     "reachconsole.unavailable.UnavailableMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",
+    # WhiteNoise, async-capable: no sync-only middleware, so under ASGI a request that
+    # waits holds no thread (reachconsole/core/idle.py).
+    "reachconsole.static_files.StaticFilesMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -356,6 +358,9 @@ REACH_TRUSTED_SOURCES = frozenset(
 
 REACH_LOGIN_MAX_FAILURES = env_int("REACH_LOGIN_MAX_FAILURES", 5, minimum=1)
 REACH_LOGIN_LOCKOUT_S = env_int("REACH_LOGIN_LOCKOUT_S", 300, minimum=1)
+# Across user names: one address trying many (password spraying), reachconsole/login.py.
+REACH_LOGIN_MAX_FAILURES_PER_ADDRESS = env_int("REACH_LOGIN_MAX_FAILURES_PER_ADDRESS", 20,
+                                               minimum=1)
 # Login throttling with django-axes. Its backend runs first in every authenticate() call, so
 # the console's login, the admin's and any view that checks a password are throttled alike.
 # Failures are counted per (user name, address) pair: one user's failures never lock another
@@ -434,9 +439,12 @@ LOGGING = {
             "json_ensure_ascii": False,
         },
     },
+    "filters": {"refusals": {"()": "reachconsole.core.logs.RefusalsInOneLine"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": REACH_LOG_FORMAT}},
     "root": {"handlers": ["console"], "level": env_str("REACH_LOG_LEVEL", "INFO")},
     "loggers": {
+        # A 403 for a person without the role is one line, not a traceback.
+        "django.request": {"filters": ["refusals"]},
         "amqtt": {"level": "WARNING"},
         # Each failure and lockout is a warning; its bookkeeping (clean-ups) is not news.
         "axes": {"level": "WARNING"},

@@ -55,6 +55,13 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60) -> None
 def daphne_serving(run_dir: Path, **env: str) -> Iterator[tuple[int, Path]]:
     """A stock daphne on a free port, on the test database, with the test's service token;
     `env` adds or overrides settings. Yields the port and its log file."""
+    with daphne_process(run_dir, **env) as (port, log_path, _proc):
+        yield port, log_path
+
+
+@contextmanager
+def daphne_process(run_dir: Path, **env: str) -> Iterator[tuple[int, Path, subprocess.Popen]]:
+    """daphne_serving, with the process too."""
     port = free_port()
     env = {**os.environ, "DATABASE_URL": database_url(), "DJANGO_SECRET_KEY": settings.SECRET_KEY,
            "REACH_SERVICE_TOKENS": TOKEN, "REACH_RUN_DIR": str(run_dir),
@@ -68,7 +75,7 @@ def daphne_serving(run_dir: Path, **env: str) -> Iterator[tuple[int, Path]]:
     )
     try:
         wait_healthy(port, proc)
-        yield port, log_path
+        yield port, log_path, proc
     finally:
         stop_process(proc)
         log.close()

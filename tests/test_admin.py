@@ -185,3 +185,13 @@ def test_removing_an_agent_in_the_admin_is_a_deregistration(staff):
     assert RosterEvent.objects.filter(agent_id="fin.tax", kind="DEREGISTERED",
                                       actor="sam").exists()
     assert audit_rows("deregister") == [("sam", "fin.tax", "ok", "from node-a")]
+
+
+def test_the_favicon_browsers_ask_every_page_for_is_there(staff):
+    """The admin's pages name no icon, so the browser asks for /favicon.ico: not a 404."""
+    page = staff.get("/admin/")
+    assert page.status_code == 200 and b'rel="icon"' not in page.content
+    icon = staff.get("/favicon.ico", follow=True)
+    assert icon.status_code == 200, icon.redirect_chain
+    assert icon["Content-Type"] == "image/svg+xml"
+    assert b"<svg" in b"".join(icon.streaming_content)

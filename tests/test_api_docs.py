@@ -14,6 +14,7 @@ from playwright.sync_api import expect
 
 from reachconsole.api import api
 from tests.browser import chromium_page
+from tests.conftest import TOKEN, register
 
 
 class _References(HTMLParser):
@@ -84,3 +85,41 @@ def test_swagger_ui_renders_every_operation_offline(live_server, async_unsafe):
         expect(page.locator(".info .title")).to_contain_text("reachconsole")
         assert page.locator(".opblock-summary-path", has_text="/api/roster/agents").count() >= 1
     assert blocked == []
+
+
+def test_the_document_asks_for_the_source_header_with_the_token():
+    schema = api.get_openapi_schema()
+    scheme = schema["components"]["securitySchemes"]["SourceHeader"]
+    assert (scheme["type"], scheme["in"], scheme["name"]) == ("apiKey", "header",
+                                                              "X-OODER-Source")
+    assert "docs/protocol.md" in schema["info"]["description"]
+    for path, methods in schema["paths"].items():
+        for method, operation in methods.items():
+            if operation.get("security"):  # /healthz and the like need none
+                assert operation["security"] == [{"ServiceAuth": [], "SourceHeader": []}], (
+                    method, path)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_try_it_out_answers_once_authorized_with_token_and_source(live_server, async_unsafe):
+    register("docs.agent", "node-docs")
+    with chromium_page() as page:
+        page.goto(f"{live_server.url}/api/docs")
+        page.locator(".btn.authorize").first.click()
+        dialog = page.locator(".dialog-ux")
+        token = dialog.locator(".auth-container", has_text="ServiceAuth")
+        token.locator("input").fill(TOKEN)
+        token.locator("button.authorize").click()
+        source = dialog.locator(".auth-container", has_text="SourceHeader")
+        source.locator("input").fill("studio")
+        source.locator("button.authorize").click()
+        dialog.locator("button.btn-done").first.click()
+        operation = page.locator(".opblock-get", has=page.locator(
+            ".opblock-summary-path", has_text=re.compile(r"^/api/roster/agents$")))
+        operation.locator(".opblock-summary").first.click()
+        operation.locator(".try-out__btn").click()
+        operation.locator(".execute").click()
+        expect(operation.locator(".live-responses-table tbody .response-col_status").first
+               ).to_have_text("200")
+        expect(operation.locator(".live-responses-table .microlight").first
+               ).to_contain_text("docs.agent")

@@ -253,6 +253,15 @@ def test_the_send_records_level_and_candidates(roster):
     assert row.resolution["candidates"][0]["chosen"] is True
 
 
+def test_a_direct_send_records_its_one_candidate_as_chosen(roster, api):
+    row = message_send(request=SendRequest(to="fin.tax", from_agent_id="fin.bank-statement"))
+    assert row.status == Status.SENT and row.resolution["level"] == "roster"
+    assert [(c["agentId"], c["chosen"]) for c in row.resolution["candidates"]] == [
+        ("fin.tax", True)]
+    sent = api.post("/api/a2a/send", {"to": "fin.tax"}).json()
+    assert [c["chosen"] for c in sent["candidates"]] == [True]
+
+
 def test_the_api_resolves_and_lists_specs(api, roster):
     r = api.get("/api/directory/resolve", {"mention": "@资金日报"})
     assert r.status_code == 200

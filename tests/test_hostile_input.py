@@ -4,14 +4,16 @@ nothing (issue: hostile input). Each case was a 500 before."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from django.conf import settings
 
 from messages.models import Message
 from reachconsole.api import BODY_TOO_LARGE, NUL_CHARACTER
+from reachconsole.api import api as ninja_api
 from roster.models import Agent
-from tests.conftest import register
+from tests.conftest import logged_in, register, staff_user
 
 pytestmark = pytest.mark.django_db
 TWO_MB = 2 * 1024 * 1024
@@ -62,6 +64,35 @@ def test_a_nul_in_a_query_string_is_422(api, path, params):
     name = next(iter(params))
     assert answer.json() == {"error": "nul_character", "detail": NUL_CHARACTER.format(
         where=f"the query parameter {name!r}")}
+
+
+def _path_operations() -> list[tuple[str, str]]:
+    """Every operation of the API with a parameter in its path, the parameter a NUL."""
+    found = []
+    for path, methods in ninja_api.get_openapi_schema()["paths"].items():
+        if "{" in path:
+            found += [(method, re.sub(r"\{[^}]+\}", "a%00b", path)) for method in methods]
+    return found
+
+
+def test_a_nul_in_any_api_path_is_422_with_words(api):
+    operations = _path_operations()
+    assert len(operations) >= 12  # the messages, tasks, roster, stats and alarms ones
+    for method, path in operations:
+        answer = (api.post(path, {}) if method == "post" else
+                  api.client.generic(method.upper(), path, headers=api.headers))
+        assert answer.status_code == 422, (method, path, answer.status_code)
+        assert answer.json()["error"] == "nul_character", (method, path)
+        assert "contains a NUL character" in answer.json()["detail"]
+
+
+@pytest.mark.parametrize("path", ["/messages/a%00b/", "/agents/a%00b/", "/nodes/a%00b/",
+                                  "/tasks/a%00b/", "/alarms/a%00b/", "/messages/a%00b/trace/"])
+def test_a_nul_in_a_page_path_is_400_with_words(path):
+    viewer = logged_in(staff_user("vic", "view_message", "view_agent"))
+    answer = viewer.get(path)
+    assert answer.status_code == 400, (path, answer.status_code)
+    assert "NUL character" in answer.content.decode()
 
 
 @pytest.mark.parametrize("params", [{"offset": "9223372036854775808"}, {"offset": "-1"},

@@ -164,3 +164,37 @@ def test_a_nul_in_the_headers_is_counted_not_a_500(anna):
                             headers={"User-Agent": "a\x00b", "Accept": "text/html\x00"})
                 .status_code for _ in range(LIMIT)]
     assert statuses == [200] * (LIMIT - 1) + [429]
+
+
+def test_one_address_trying_many_user_names_is_stopped(anna, settings):
+    """Password spraying: one failure each for many user names from one address. The pair
+    limit never trips; the address's does, for every user name, with the same 429."""
+    settings.REACH_LOGIN_MAX_FAILURES_PER_ADDRESS = 10
+    for i in range(9):
+        _, r = attempt("/accounts/login/", f"user{i}", "wrong", X)
+        assert r.status_code == 200  # a plain refusal: wrong password
+    _, r = attempt("/accounts/login/", "user9", "wrong", X)  # the tenth reaches the limit
+    assert r.status_code == 429
+    client, r = attempt("/accounts/login/", "anna", "pw-anna-123", X)
+    assert r.status_code == 429 and not logged_in(client)
+    assert "whatever the user name" in r.content.decode() and r["Retry-After"] == "300"
+    client, r = attempt("/admin/login/", "anna", "pw-anna-123", X)
+    assert r.status_code == 429 and not logged_in(client)
+    # Another address is not touched by this one's failures.
+    client, r = attempt("/accounts/login/", "anna", "pw-anna-123", Y)
+    assert r.status_code == 302 and logged_in(client)
+    refused = AuditEntry.objects.filter(action="login", result="refused", target=X)
+    assert refused.exists()
+    assert all("from this address, whatever the user name" in e.detail for e in refused)
+
+
+def test_the_address_limit_ends_after_the_cool_off(anna, settings):
+    settings.REACH_LOGIN_MAX_FAILURES_PER_ADDRESS = 4
+    for i in range(4):
+        attempt("/accounts/login/", f"user{i}", "wrong", X)
+    _, r = attempt("/accounts/login/", "anna", "pw-anna-123", X)
+    assert r.status_code == 429
+    settings.REACH_LOGIN_LOCKOUT_S = 1  # short from here on, as in the test above
+    time.sleep(1.1)
+    client, r = attempt("/accounts/login/", "anna", "pw-anna-123", X)
+    assert r.status_code == 302 and logged_in(client)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 
 import pytest
@@ -251,3 +252,27 @@ def test_hostile_payloads_are_counted_by_reason_and_nothing_is_stored():
     assert result.counts == {"rejected:nul_character": 1, "rejected:lone_surrogate": 1,
                              "rejected:bad_node_id": 2, "rejected:number_out_of_range": 1}
     assert not Message.objects.exists()
+
+
+def test_a_heartbeat_no_node_can_send_is_refused_alone_and_its_batch_is_stored(now, caplog):
+    """`ooder/heartbeat/bad$node` is a topic MQTT allows, but no node can be named so: it
+    made the roster raise inside the batch, and the whole batch of up to hundreds failed."""
+    register("fin.tax", "node-b", now=now)
+
+    def beat(node: str) -> bytes:
+        return wire(protocol.new_envelope(
+            message_type=MT.HEARTBEAT, from_agent_id=node, headers={"originNodeId": node},
+            payload={"heartbeatMs": 5000, "agents": [{"agentId": "fin.tax", "inflight": 2}]}))
+
+    poison = (f"{PREFIX}/heartbeat/bad$node", beat("bad$node"))
+    good = (protocol.heartbeat_topic(PREFIX, "node-b"), beat("node-b"))
+    work = request()
+    with caplog.at_level(logging.WARNING):
+        result = ingest(poison, good, (inbox(), wire(work)), poison)
+    assert result.counts["rejected:invalid_node_id"] == 2
+    assert result.counts["heartbeats"] == 1 and result.counts["stored"] == 1
+    assert Message.objects.filter(message_id=work.message_id).count() == 1
+    assert Agent.objects.get(agent_id="fin.tax").inflight == 2
+    assert not ClusterNode.objects.filter(node_id="bad$node").exists()
+    assert "Traceback" not in caplog.text
+    assert sum("invalid_node_id" in r.getMessage() for r in caplog.records) <= 1

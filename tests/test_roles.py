@@ -5,6 +5,7 @@ viewer sees every page, reads why an action is not offered, and is refused every
 from __future__ import annotations
 
 import importlib
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -228,3 +229,13 @@ def test_an_operator_acts(operator, world):
     done = set(AuditEntry.objects.filter(actor="otto").values_list("action", "result"))
     assert {("resend", "ok"), ("drain", "ok"), ("deregister", "ok"),
             ("retire-node", "ok")} <= done
+
+
+def test_a_refused_action_is_one_log_line_without_a_traceback(viewer, world, caplog):
+    with caplog.at_level(logging.WARNING, logger="django.request"):
+        response = viewer.post(reverse("roster:drain", args=[world.agent.agent_id]))
+    assert response.status_code == 403
+    refusals = [r for r in caplog.records if r.name == "django.request"]
+    assert [r.getMessage() for r in refusals] == [
+        f"Forbidden (Permission denied): /agents/{world.agent.agent_id}/drain"]
+    assert refusals[0].exc_info is None and "Traceback" not in caplog.text
