@@ -770,8 +770,10 @@ def node_down_after(heartbeat_ms: int | None) -> timedelta:
 
 def nodes_sweep(*, now: datetime | None = None) -> int:
     """Nodes silent for three heartbeat intervals become DOWN, judged only over time the
-    console itself heard the bus (its own deafness is no node's silence). A heartbeat makes
-    a node ONLINE again (node_seen). Returns how many changed."""
+    console itself heard the bus (its own deafness is no node's silence). A node never heard
+    is silent since it was registered: a registration alone does not prove it runs, and it
+    must not stay ONLINE with nothing seen. A heartbeat makes a node ONLINE again
+    (node_seen). Returns how many changed."""
     now = now or timezone.now()
     heard_since = bus_heard_since(now=now)
     if heard_since is None:
@@ -779,10 +781,10 @@ def nodes_sweep(*, now: datetime | None = None) -> int:
     # Nodes are few (one row a machine or process): judged here, each by its own interval,
     # then changed in one guarded statement.
     down = [
-        pk for pk, last_seen, beat_ms in ClusterNode.objects.filter(
-            status=ClusterNode.Status.ONLINE, last_seen_at__isnull=False,
-        ).values_list("pk", "last_seen_at", "heartbeat_ms")
-        if max(last_seen, heard_since) < now - node_down_after(beat_ms)
+        pk for pk, last_seen, created, beat_ms in ClusterNode.objects.filter(
+            status=ClusterNode.Status.ONLINE,
+        ).values_list("pk", "last_seen_at", "created_at", "heartbeat_ms")
+        if max(last_seen or created, heard_since) < now - node_down_after(beat_ms)
     ]
     if not down:
         return 0

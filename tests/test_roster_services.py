@@ -329,3 +329,14 @@ def test_it_tracks_nodes_seen_and_silent(now, settings):
     assert ClusterNode.objects.get().status == ClusterNode.Status.DOWN
     services.node_seen(node_id="node-a", now=later(now, 20_000))
     assert ClusterNode.objects.get().status == ClusterNode.Status.ONLINE
+
+
+def test_a_node_registered_and_never_heard_goes_down_too(now, settings):
+    """Registered over HTTP, never a heartbeat: it stayed ONLINE with lastSeen null."""
+    register("fin.quiet", "node-quiet", now=now)
+    node = ClusterNode.objects.get(node_id="node-quiet")
+    assert node.last_seen_at is None and node.status == ClusterNode.Status.ONLINE
+    silent = 3 * settings.REACH_HEARTBEAT_MS
+    assert services.nodes_sweep(now=later(node.created_at, silent)) == 0
+    assert services.nodes_sweep(now=later(node.created_at, silent + 1)) == 1
+    assert ClusterNode.objects.get(node_id="node-quiet").status == ClusterNode.Status.DOWN
