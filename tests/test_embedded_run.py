@@ -142,3 +142,18 @@ def test_it_names_mqtt_url_when_the_broker_port_is_taken(tmp_path):
     assert result.returncode != 0
     assert "MQTT_URL" in result.stderr
     assert "REACH_EMBEDDED_MQTT_PORT" in result.stderr
+
+
+def test_every_option_of_simulate_says_what_it_does():
+    """`manage.py simulate --help` is how a newcomer learns its fault knobs and their units."""
+    from reachconsole.management.commands.simulate import Command
+
+    parser = Command().create_parser("manage.py", "simulate")
+    own = [a for a in parser._actions
+           if a.option_strings and a.dest not in {"help", "version", "verbosity", "settings",
+                                                  "pythonpath", "traceback", "no_color",
+                                                  "force_color", "skip_checks"}]
+    assert len(own) >= 12
+    assert [a.dest for a in own if not a.help] == []
+    rates = {a.dest: a.help for a in own if a.dest.endswith("_rate") and a.dest != "rate"}
+    assert rates and all("0 to 1" in text for text in rates.values())

@@ -16,16 +16,24 @@ class Command(BaseCommand):
     help = "Run simulated nodes that register, heartbeat and trade tasks over MQTT."
 
     def add_arguments(self, parser) -> None:
-        parser.add_argument("--nodes", type=int, default=3)
-        parser.add_argument("--agents", type=int, default=12)
+        parser.add_argument("--nodes", type=int, default=3, help="simulated nodes (default 3)")
+        parser.add_argument("--agents", type=int, default=12,
+                            help="agents, spread over the nodes (default 12)")
         parser.add_argument("--rate", type=float, default=20.0, help="tasks per second in all")
-        parser.add_argument("--fail-rate", type=float, default=0.0)
-        parser.add_argument("--busy-rate", type=float, default=0.0)
-        parser.add_argument("--nack-rate", type=float, default=0.0)
-        parser.add_argument("--slow-ms", type=int, default=50)
+        parser.add_argument("--fail-rate", type=float, default=0.0,
+                            help="share of tasks, 0 to 1, answered with ok=false "
+                                 "(TASK_ERROR; default 0)")
+        parser.add_argument("--busy-rate", type=float, default=0.0,
+                            help="share of requests, 0 to 1, answered BUSY (default 0)")
+        parser.add_argument("--nack-rate", type=float, default=0.0,
+                            help="share of requests, 0 to 1, refused with a NACK (default 0)")
+        parser.add_argument("--slow-ms", type=int, default=50,
+                            help="milliseconds each task takes before its answer (default 50)")
         parser.add_argument("--kill-node-after", type=float, default=None,
-                            help="seconds after which the last node goes silent")
-        parser.add_argument("--seed", type=int, default=7)
+                            help="seconds after which the last node goes silent (default: "
+                                 "never)")
+        parser.add_argument("--seed", type=int, default=7,
+                            help="random seed: the same seed, the same traffic (default 7)")
         parser.add_argument("--url", default="http://127.0.0.1:8000",
                             help="the console's base URL")
         parser.add_argument("--token", default=None,
