@@ -22,7 +22,7 @@ from django.views.decorators.vary import vary_on_headers
 
 from directory.routing import route_capability
 from messages.ledger import AGENT, ANSWER_BUCKETS_S, NODE
-from messages.models import CANCELABLE_STATUSES, Direction, Message, Status
+from messages.models import CANCELABLE_STATUSES, FAILURE_STATUSES, Direction, Message, Status
 from messages.outbound import messages_resend
 from messages.page_params import export_chunks, filter_form, page_cursor, streamed
 from messages.protocol import MessageType
@@ -263,9 +263,30 @@ def message_resend_bulk(request: HttpRequest) -> HttpResponse:
         flash.error(request, f"{exc.detail}. Narrow the filters to leave it out, or deal "
                     "with it first.")
         return redirect(back)
-    flash.success(request, f"Resent {len(targets)} message{pluralize(len(targets))} as "
-                  f"{len(rows)} new transmission{pluralize(len(rows))}.")
+    level, words = resent_words(len(targets), rows)
+    flash.add_message(request, level, words)
     return redirect(back)
+
+
+def resent_words(resent: int, rows: list[Message]) -> tuple[int, str]:
+    """What a bulk resend did, as the operator must read it: how many new transmissions
+    left, and how many ended at once and why (an agent whose lease lapsed, say), rather
+    than a success that hides that they all failed again."""
+    head = (f"Resent {resent} message{pluralize(resent)} as {len(rows)} new "
+            f"transmission{pluralize(len(rows))}")
+    ended = [r for r in rows if r.status in FAILURE_STATUSES]
+    if not ended:
+        return flash.SUCCESS, head + "."
+    why: dict[str, int] = {}
+    for row in ended:
+        why[row.error or row.status] = why.get(row.error or row.status, 0) + 1
+    common = sorted(why.items(), key=lambda kv: -kv[1])[:3]
+    reasons = "; ".join(f"{n} × {text}" for text, n in common)
+    statuses = ", ".join(sorted({r.status for r in ended}))
+    gone = len(rows) - len(ended)
+    words = (f"{head}: {len(ended)} ended {statuses} at once ({reasons})"
+             + (f"; {gone} went out." if gone else "; none went out."))
+    return (flash.ERROR if not gone else flash.WARNING), words
 
 
 @require_GET

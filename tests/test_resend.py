@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from django.test import Client
+from django.utils.html import escape
 
 from messages.models import Message, Status
 from messages.outbound import (
@@ -238,3 +239,32 @@ def test_a_bound_token_reads_no_other_namespace_in_a_message_routed_for_someone_
     assert r.status_code == 200
     assert "hr.tax" not in r.content.decode() and "node-h" not in r.content.decode()
     assert "(an agent of another namespace)" in r.json()["error"]
+
+
+def test_a_bulk_resend_that_fails_again_says_so_and_why(operator):
+    """All of them to an agent that still cannot take work: the result said "Resent 3 …"
+    as a success, although every new transmission ended UNDELIVERABLE at once."""
+    plain = [message_send(request=SendRequest(to="fin.gone")) for _ in range(3)]
+    assert {p.status for p in plain} == {Status.UNDELIVERABLE}
+    r = operator.post("/messages/bulk-resend", {**FILTERS, "expected": "3",
+                                                "up_to": newest_message_id()}, follow=True)
+    html = r.content.decode()
+    again = Message.objects.filter(resend_of__in=plain)
+    assert again.count() == 3 and {m.status for m in again} == {Status.UNDELIVERABLE}
+    assert '<li class="error">' in html
+    assert "Resent 3 messages as 3 new transmissions: 3 ended UNDELIVERABLE at once" in html
+    assert f"3 × {escape(again.first().error)}" in html and "none went out" in html
+
+
+def test_a_bulk_resend_that_partly_fails_says_how_many_went(operator):
+    register("fin.tax", "node-b")
+    gone = message_send(request=SendRequest(to="fin.gone"))
+    away = message_send(request=SendRequest(to="fin.away"))
+    register("fin.away", "node-c")  # back now: its resend goes out
+    r = operator.post("/messages/bulk-resend", {**FILTERS, "expected": "2",
+                                                "up_to": newest_message_id()}, follow=True)
+    html = r.content.decode()
+    assert Message.objects.get(resend_of=away).status == Status.SENT
+    assert Message.objects.get(resend_of=gone).status == Status.UNDELIVERABLE
+    assert '<li class="warning">' in html
+    assert "1 ended UNDELIVERABLE at once" in html and "; 1 went out." in html
