@@ -97,3 +97,38 @@ def test_an_operator_drains_then_undrains_an_agent_from_its_page(live_server, as
     kinds = list(RosterEvent.objects.filter(agent_id="fin.tax", actor="olga")
                  .order_by("at", "id").values_list("kind", flat=True))
     assert kinds == ["DRAINED", "UNDRAINED"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_after_a_resend_the_address_is_the_new_attempts_even_if_the_trace_refreshes(
+        live_server, async_unsafe):
+    """The resend's own events refresh the trace's live part while the boosted POST is on
+    its way; that refresh replaced the form, htmx dropped the POST's answer, and the page
+    showed the new attempt under the old attempt's address."""
+    operator("resend_message")
+    failed = message_send(request=SendRequest(to="fin.tax", task_id="job-race"))
+    register("fin.tax", "node-b")
+
+    with chromium_page() as page:
+        sign_in(page, live_server.url, "olga", "pw-olga-123", f"/messages/{failed.message_id}/")
+        expect(page.locator("#message-status")).to_have_text("UNDELIVERABLE")
+
+        def slow_resend(route):
+            # An event of this task arrives while the POST is still out, as it does live.
+            page.evaluate("""(taskId) => document.body.dispatchEvent(new CustomEvent(
+                "a2a_message", {detail: {event: "a2a_message", taskId}}))""", "job-race")
+            page.wait_for_timeout(700)  # the refresh lands before the POST's answer
+            route.continue_()
+
+        page.route(re.compile(r"/resend$"), slow_resend)
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.click("#resend")
+        again = None
+        for _ in range(50):
+            again = Message.objects.filter(resend_of=failed).first()
+            if again:
+                break
+            page.wait_for_timeout(100)
+        assert again is not None
+        expect(page).to_have_url(re.compile(f"/messages/{again.message_id}/$"))
+        expect(page.locator(".flash")).to_contain_text("Resent as")
