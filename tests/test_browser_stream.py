@@ -8,6 +8,8 @@ own API, so the event leaves from the process that serves the WebSocket in both 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.contrib.auth.models import User
 from playwright.sync_api import expect
@@ -94,3 +96,31 @@ def test_it_dispatches_events_resyncs_after_a_restart_and_stops_when_signed_out(
             expect(page.locator("body")).to_have_attribute("data-stream-state", "closed")
             page.wait_for_timeout(2000)  # a retry would have set "connecting" by now
             expect(page.locator("body")).to_have_attribute("data-stream-state", "closed")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_live_stays_in_the_header_after_a_boosted_action(tmp_path, async_unsafe):
+    """Resend swaps the page's body, header included, while the socket lives on: the new
+    header's indicator was blank until a reload, though updates kept arriving."""
+    from django.contrib.auth.models import Permission
+
+    from messages.models import Message
+    from messages.outbound import SendRequest, message_send
+
+    user = User.objects.create_user("olga", password="pw-olga-123")
+    user.user_permissions.add(Permission.objects.get(codename="resend_message"))
+    failed = message_send(request=SendRequest(to="fin.tax", task_id="job-live"))
+    register("fin.tax", "node-a")
+    port = free_port()
+    base = f"http://{HOST}:{port}"
+
+    with chromium_page() as page, console_serving(port, tmp_path):
+        sign_in(page, base, "olga", "pw-olga-123", f"/messages/{failed.message_id}/")
+        expect(page.locator("[data-stream-indicator]")).to_have_text("Live")
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.click("#resend")
+        expect(page.locator(".flash")).to_contain_text("Resent as")
+        again = Message.objects.get(resend_of=failed)
+        expect(page).to_have_url(re.compile(f"/messages/{again.message_id}/$"))
+        expect(page.locator("[data-stream-indicator]")).to_have_text("Live")
+        expect(page.locator("[data-stream-indicator]")).to_have_attribute("data-state", "open")

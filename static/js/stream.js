@@ -39,13 +39,22 @@
     body.dataset.streamState = state;
     if (reason) body.dataset.streamReason = reason;
     else delete body.dataset.streamReason;
-    var indicator = document.querySelector("[data-stream-indicator]");
-    if (indicator) {
-      indicator.textContent = state === "open" ? "Live" : (reason || "Connecting…");
-      indicator.setAttribute("data-state", state);
-    }
+    showState();
     emit("reach:stream-state", {state: state, reason: reason || ""});
   }
+
+  // The header's words for the state. Said again after every htmx swap: a boosted action
+  // (Resend, Drain) swaps the page's body, header included, while this socket lives on,
+  // and the new header's indicator came empty until the state next changed.
+  function showState() {
+    var indicator = document.querySelector("[data-stream-indicator]");
+    var state = body.dataset.streamState;
+    if (!indicator || !state) return;
+    indicator.textContent = state === "open" ? "Live"
+      : (body.dataset.streamReason || "Connecting…");
+    indicator.setAttribute("data-state", state);
+  }
+  document.addEventListener("htmx:afterSettle", showState);
 
   function schedule() {
     if (stopped || timer !== null) return;
