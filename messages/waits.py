@@ -26,7 +26,7 @@ from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 
 from messages.events import ANSWERS_GROUP, interest_register
-from reachconsole.unavailable import unavailable_reason
+from reachconsole.core.outages import unavailable_reason
 
 log = logging.getLogger(__name__)
 

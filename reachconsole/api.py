@@ -21,7 +21,8 @@ from reachconsole.core import jsonsafe
 from reachconsole.core.auth import ServiceAuth
 from reachconsole.core.errors import ApiError, ConsoleError
 from reachconsole.core.jsonsafe import WORDS, unstorable
-from reachconsole.unavailable import UNAVAILABLE_ERRORS, unavailable_response
+from reachconsole.core.outages import UNAVAILABLE_ERRORS
+from reachconsole.unavailable import unavailable_response
 
 log = logging.getLogger(__name__)
 

@@ -8,29 +8,27 @@ failures count; an SQL error (a missing table, a deadlock) stays a 500 and is lo
 from __future__ import annotations
 
 import logging
-import sqlite3
 import sys
 import threading
 import time
 
-import kombu.exceptions
-import psycopg
-import psycopg_pool
-import redis.exceptions
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.core.signals import got_request_exception
-from django.db import InterfaceError, OperationalError, connection
+from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils.html import escape
+
+from reachconsole.core.outages import (
+    DATABASE,
+    DATABASE_WAIT,
+    REDIS,
+    unavailable_reason,
+)
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 10
 LOG_EVERY_S = 60.0
-
-DATABASE = "database"
-DATABASE_WAIT = "database-wait"
-REDIS = "redis"
 
 DETAILS = {
     DATABASE: "the console cannot reach its database (down, restarting or refusing "
@@ -49,43 +47,6 @@ PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Console unavailable</title></head>
 <body><h1>The console is unavailable for a moment</h1><p>{detail}.</p></body></html>
 """
-
-# PostgreSQL SQLSTATE classes of "cannot talk to the server" (08: connection exception,
-# 53: out of resources such as "too many clients", 57P0x: shutting down or starting up).
-_PG_DOWN_PREFIXES = ("08", "53", "57P01", "57P02", "57P03")
-_SQLITE_DOWN = ("unable to open database file", "disk i/o error")
-_SQLITE_BUSY = ("database is locked",)
-
-
-_REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                 kombu.exceptions.OperationalError)  # kombu's: the Celery broker (Redis)
-# What may mean "unavailable"; unavailable_reason() decides for each instance.
-UNAVAILABLE_ERRORS = (OperationalError, InterfaceError, *_REDIS_ERRORS)
-
-
-def unavailable_reason(exc: BaseException | None) -> str | None:
-    """Which dependency `exc` says is unavailable, or None when it is some other error."""
-    if isinstance(exc, _REDIS_ERRORS):
-        return REDIS
-    if isinstance(exc, InterfaceError):
-        return DATABASE
-    if not isinstance(exc, OperationalError):
-        return None
-    cause = exc.__cause__
-    if isinstance(cause, psycopg_pool.PoolTimeout | psycopg_pool.TooManyRequests):
-        return DATABASE_WAIT
-    if isinstance(cause, psycopg_pool.PoolClosed):
-        return DATABASE
-    if isinstance(cause, psycopg.OperationalError):
-        state = cause.sqlstate
-        return DATABASE if state is None or state.startswith(_PG_DOWN_PREFIXES) else None
-    if isinstance(cause, sqlite3.OperationalError):
-        text = str(cause).lower()
-        if text.startswith(_SQLITE_BUSY):
-            return DATABASE_WAIT
-        return DATABASE if text.startswith(_SQLITE_DOWN) else None
-    return None
-
 
 def _pool_state() -> str:
     """For the log: whether the pool is full of busy connections or failing to open any."""
