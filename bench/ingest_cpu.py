@@ -7,6 +7,12 @@ CPU contention. This calls `messages.inbound.messages_ingest` directly on the sa
 per row; --profile adds a py-spy breakdown by phase (bench/profile_summary.py).
 
     .venv/bin/python bench/ingest_cpu.py [--rows 20000] [--batch 500] [--profile]
+    .venv/bin/python bench/ingest_cpu.py --ledger --repeat 8   # the numbers' share
+
+--ledger runs the console and the console without its per-bucket numbers (tasks kept: the
+"without" of the numbers goal, as bench/ingest.py --ledger has it) in turns, in this one
+process, and compares their rows/s: the numbers' cost on the ingest path without the
+broker's and the publisher's noise.
 """
 
 from __future__ import annotations
@@ -56,6 +62,47 @@ def ingest_all(items: list[tuple[str, bytes]], prefix: str, batch: int) -> dict:
             "process_cpu_us_per_row": proc / stored * 1e6}
 
 
+def ledger_compare(tag: str, args: argparse.Namespace) -> int:
+    """Turns of the console and of no-numbers on fresh envelopes, the table emptied before
+    each; medians of rows/s and of the ingest thread's CPU a row."""
+    import statistics
+
+    from django.db import connection
+
+    from messages.ledger import Ledger
+
+    sides: dict[str, list[dict]] = {"console": [], "no-numbers": []}
+    gc.freeze()
+    for turn in range(args.repeat):
+        order = list(sides) if turn % 2 == 0 else list(reversed(sides))
+        for side in order:
+            with connection.cursor() as cur:
+                cur.execute("TRUNCATE a2a_message, a2a_task, a2a_rollup CASCADE")
+            items = payloads(tag, f"{tag}-{turn}-{side}", args.rows)
+            Ledger.keep_numbers = side == "console"
+            try:
+                sides[side].append(ingest_all(items, tag, args.batch))
+            finally:
+                Ledger.keep_numbers = True
+    rows = []
+    medians = {}
+    for side, runs in sides.items():
+        rate = statistics.median(r["rows_per_s"] for r in runs)
+        cpu = statistics.median(r["ingest_thread_cpu_us_per_row"] for r in runs)
+        medians[side] = rate
+        rows.append([side, common.fmt(rate, 0), common.fmt(cpu),
+                     " ".join(common.fmt(r["rows_per_s"], 0) for r in runs)])
+    print(common.table(["side", "rows/s (median)", "ingest thread CPU us/row", "runs"], rows))
+    ratio = medians["console"] / medians["no-numbers"]
+    print(f"\nnumbers: console {medians['console']:,.0f} rows/s vs without its per-bucket "
+          f"numbers {medians['no-numbers']:,.0f} rows/s = {ratio:.1%} (goal >= 95%)")
+    path = common.write_result("ingest-cpu-ledger", {
+        "machine": common.machine(), "code": common.git_state(), **vars(args),
+        "sides": sides, "ratio": ratio})
+    print(f"results: {path.relative_to(common.ROOT)}")
+    return 0
+
+
 def spy_start(out: Path) -> subprocess.Popen | None:
     spy = Path(sys.executable).with_name("py-spy")
     if not spy.exists():
@@ -74,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=20_000)
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--ledger", action="store_true",
+                    help="console and no-numbers in turns; their rows/s compared")
+    ap.add_argument("--repeat", type=int, default=6, help="turns of each side with --ledger")
     args = ap.parse_args(argv)
     try:
         common.services_check()
@@ -86,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with connection.cursor() as cur:
         cur.execute("TRUNCATE a2a_message CASCADE")
+    if args.ledger:
+        return ledger_compare(tag, args)
     items = payloads(tag, tag, args.rows)
     # The bridge never holds 20,000 payloads; without this, every full collection the
     # ingest triggers would rescan them and bill the phase that happened to allocate.

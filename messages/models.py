@@ -321,9 +321,10 @@ class Rollup(models.Model):
     stats and the alarms read (messages/rollups.py), kept as rows are written instead of
     counted from a window of rows.
 
-    Rows are only ever inserted by writers (one per key and transaction: no row is updated
-    by two writers, so counting takes no lock and cannot deadlock) and folded by beat into
-    one row per key (`folded`). A reader sums whatever rows a key has."""
+    Rows are only ever inserted by writers (one per key and transaction, at the scope's
+    finest width: no row is updated by two writers, so counting takes no lock and cannot
+    deadlock) and folded by beat into one row per key at every width (`folded`). A reader
+    sums whatever rows a key has, and the finest ones not folded yet."""
 
     step = models.PositiveIntegerField()  # the bucket's width in seconds
     bucket = models.BigIntegerField()  # epoch seconds // step
@@ -341,8 +342,10 @@ class Rollup(models.Model):
             # Every subject of a scope in a window (the roster's columns, the alarms) and
             # retention by age.
             models.Index(fields=["step", "scope", "bucket"], name="a2a_rollup_scope"),
-            # What the fold has not folded yet.
-            models.Index(fields=["id"], name="a2a_rollup_unfolded", condition=Q(folded=False)),
+            # What the fold has not folded yet: its claim, and a wider width's read of the
+            # finest rows not yet added to it (messages/rollups.py `_kept`).
+            models.Index(fields=["step", "scope", "subject", "bucket"],
+                         name="a2a_rollup_unfolded", condition=Q(folded=False)),
         ]
 
     def __str__(self) -> str:

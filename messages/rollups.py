@@ -1,8 +1,9 @@
 """Reading and keeping the per-bucket numbers of messages/ledger.py (`a2a_rollup`).
 
 A read sums the rows of a few keys over a range of buckets, through an index that starts
-with the key: its cost is the buckets of the window, whatever the traffic in them. Beat
-folds each key's rows into one (`rollups_fold`) and drops buckets past their keep.
+with the key: its cost is the buckets of the window, whatever the traffic in them. Writers
+write at each scope's finest width only; beat folds each key's rows into one at every width
+(`rollups_fold`) and drops buckets past their keep.
 
 Percentiles come from histograms, so they are approximate: a value is known to lie between
 two bucket bounds (`LATENCY_BUCKETS_S`, `ANSWER_BUCKETS_S`) and is placed linearly between
@@ -17,10 +18,19 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from django.db import transaction
-from django.db.models import Sum
+from django.db.models import Q, Sum
 from django.utils import timezone
 
-from messages.ledger import AGENT, ALL, ANSWER_BUCKETS_S, NODE, status_metric
+from messages.ledger import (
+    AGENT,
+    ALL,
+    ANSWER_BUCKETS_S,
+    FINEST,
+    NODE,
+    STEPS_ALL,
+    STEPS_SCOPED,
+    status_metric,
+)
 from messages.models import Rollup, Status
 from reachconsole.core.errors import ConsoleError
 from reachconsole.core.metrics import LATENCY_BUCKETS_S
@@ -124,15 +134,31 @@ def histogram_total(counts: Counter, bounds: tuple[float, ...], prefix: str) -> 
     return sum(max(0, counts.get(f"{prefix}{i}", 0)) for i in range(len(bounds) + 1))
 
 
+def _kept(*, scope: str, step: int, first: int, last: int) -> Q:
+    """The rows that hold a scope's numbers at `step`, buckets first..last: those of that
+    width, and the writers' rows at the scope's finest width that the fold has not added to
+    the wider ones yet (messages/ledger.py writes only those). One statement reads both, so
+    a fold that commits meanwhile is seen whole or not at all: nothing counted twice."""
+    kept = Q(step=step, scope=scope, bucket__gte=first, bucket__lte=last)
+    finest = FINEST[scope]
+    if step != finest:
+        if step % finest:
+            raise ValueError(f"{step} s is not a whole number of {finest} s buckets")
+        per = step // finest
+        kept |= Q(step=finest, scope=scope, folded=False, bucket__gte=first * per,
+                  bucket__lte=(last + 1) * per - 1)
+    return kept
+
+
 def rollup_buckets(*, scope: str, subject: str, step: int, first: int, last: int
                    ) -> dict[int, Counter]:
     """Every metric of one subject, per bucket first..last."""
-    rows = (Rollup.objects.filter(step=step, scope=scope, subject=subject,
-                                  bucket__gte=first, bucket__lte=last)
-            .values_list("bucket", "metric").annotate(n=Sum("n")).order_by())
+    rows = (Rollup.objects.filter(_kept(scope=scope, step=step, first=first, last=last),
+                                  subject=subject)
+            .values_list("step", "bucket", "metric").annotate(n=Sum("n")).order_by())
     out: dict[int, Counter] = defaultdict(Counter)
-    for bucket, metric, n in rows:
-        out[bucket][metric] += n
+    for width, bucket, metric, n in rows:
+        out[bucket * width // step][metric] += n
     return out
 
 
@@ -141,7 +167,7 @@ def rollup_totals(*, scope: str, step: int, first: int, last: int,
                   metrics: Iterable[str] | None = None) -> dict[str, Counter]:
     """Every subject of a scope (or those named), its metrics summed over buckets
     first..last: one grouped read."""
-    qs = Rollup.objects.filter(step=step, scope=scope, bucket__gte=first, bucket__lte=last)
+    qs = Rollup.objects.filter(_kept(scope=scope, step=step, first=first, last=last))
     if subjects is not None:
         qs = qs.filter(subject__in=list(subjects))
     if metrics is not None:
@@ -259,10 +285,19 @@ class FoldResult:
     dropped: int = 0
 
 
+def _widths(step: int, scope: str) -> tuple[int, ...]:
+    """The widths one unfolded row is added to: a row at its scope's finest width, to every
+    width the scope is kept at; a wider one (written so by an earlier version, which wrote
+    each width itself), to its own."""
+    if step != FINEST[scope]:
+        return (step,)
+    return STEPS_ALL if scope == ALL else STEPS_SCOPED
+
+
 def rollups_fold(*, now: datetime | None = None, batch: int = FOLD_BATCH) -> FoldResult:
-    """Fold the rows written since the last fold into one row per key, and drop buckets past
-    their keep. Rows are claimed SKIP LOCKED: two folds at once take different rows, and a
-    sum of sums is the same sum, so nothing is counted twice or lost."""
+    """Fold the rows written since the last fold into one row per key and width, and drop
+    buckets past their keep. Rows are claimed SKIP LOCKED: two folds at once take different
+    rows, and a sum of sums is the same sum, so nothing is counted twice or lost."""
     now = now or timezone.now()
     result = FoldResult()
     with transaction.atomic():
@@ -271,16 +306,15 @@ def rollups_fold(*, now: datetime | None = None, batch: int = FOLD_BATCH) -> Fol
                      .values_list("id", "step", "bucket", "scope", "subject", "metric", "n")
                      [:batch])
         if fresh:
-            keys = {(step, bucket, scope, subject, metric)
-                    for _, step, bucket, scope, subject, metric, _ in fresh}
             sums: Counter = Counter()
             ids = []
             for pk, step, bucket, scope, subject, metric, n in fresh:
-                sums[(step, bucket, scope, subject, metric)] += n
+                for width in _widths(step, scope):
+                    sums[(width, bucket * step // width, scope, subject, metric)] += n
                 ids.append(pk)
             # The folded row of each key, if it has one: summed in, and replaced.
             by_subject: dict[tuple, set] = defaultdict(set)
-            for step, bucket, scope, subject, metric in keys:
+            for step, bucket, scope, subject, metric in list(sums):
                 by_subject[(step, scope, subject)].add((bucket, metric))
             for (step, scope, subject), wanted in by_subject.items():
                 buckets = {b for b, _ in wanted}
@@ -346,7 +380,7 @@ def rollups_rebuild(*, since: datetime, until: datetime | None = None, chunk: in
     keep whether it was held. Returns the rows read."""
     from django.db.models import BooleanField, Case, Q, Value, When
 
-    from messages.ledger import STEPS_ALL, Ledger
+    from messages.ledger import Ledger
     from messages.models import Message
 
     until = until or timezone.now()

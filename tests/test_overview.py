@@ -148,10 +148,14 @@ def test_a_row_that_moves_is_counted_in_its_new_status_in_the_bucket_it_was_sent
     assert (later.totals.busy, later.totals.expired) == (1, 1)
     assert later.buckets[-21].expired == 1 and later.buckets[-1].expired == 0
     assert later.buckets[-21].acked == 1  # its publish → ACK time stays counted
-    # Beat folds the rows of each key into one: the numbers stay as they were.
+    # Beat folds the rows of each key into one, at every width: the numbers stay as they
+    # were, at the finest width and at the wider ones the fold made.
+    wider = message_stats(minutes=60, step_s=60, now=now).totals
     folded = rollups_fold(now=now)
-    assert folded.read > folded.written > 0
+    assert folded.read > 0 and folded.written > 0
     assert message_stats(minutes=15, step_s=STEP, now=now).totals == later.totals
+    assert message_stats(minutes=60, step_s=60, now=now).totals == wider
+    assert wider.expired == 1
 
 
 @pytest.mark.django_db

@@ -17,6 +17,7 @@ from messages.rollups import (
     KEEP_S,
     percentile,
     quantiles,
+    rollup_buckets,
     rollup_totals,
     rollups_fold,
     subject_stats,
@@ -101,3 +102,62 @@ def test_a_status_change_moves_the_count_in_every_scope(now):
     for scope, subject in ((ALL, ""), (AGENT, "fin.tax"), (NODE, "node-b")):
         counts = rollup_totals(scope=scope, step=60, first=0, last=2**40)[subject]
         assert counts[f"s:{Status.FAILED}"] == 1, scope
+
+
+@pytest.mark.django_db
+def test_writers_write_the_finest_width_and_wider_reads_do_not_wait_for_the_fold(now):
+    register("fin.tax", "node-b")
+    for _ in range(3):
+        message_send(request=SendRequest(to="fin.tax"), now=now)
+    # One count, one row, at its scope's finest width: the fold makes the wider ones.
+    assert set(Rollup.objects.values_list("scope", "step")) == {(ALL, 15), (AGENT, 60),
+                                                                (NODE, 60)}
+
+    def read() -> dict:
+        hour = int(now.timestamp()) // 3600
+        return {
+            "agent hour": rollup_totals(scope=AGENT, step=3600, first=hour, last=hour),
+            "all minute": rollup_totals(scope=ALL, step=60, first=0, last=2**40),
+            "all hour": rollup_buckets(scope=ALL, subject="", step=3600, first=hour,
+                                       last=hour),
+            "24h": subject_stats(scope=NODE, subject="node-b", window="24h",
+                                 now=now).counts,
+        }
+
+    before = read()
+    assert before["agent hour"]["fin.tax"]["tasks"] == 3
+    assert before["all minute"][""]["requests"] == 3
+    assert before["all hour"][int(now.timestamp()) // 3600]["requests"] == 3
+    assert before["24h"]["requests"] == 3
+    rollups_fold(now=now)
+    assert not Rollup.objects.filter(folded=False).exists()
+    assert set(Rollup.objects.values_list("scope", "step")) == {
+        (ALL, 15), (ALL, 60), (ALL, 3600), (AGENT, 60), (AGENT, 3600), (NODE, 60),
+        (NODE, 3600)}
+    assert read() == before
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rows_an_earlier_version_wrote_at_every_width_are_counted_once(now):
+    """Before the finest-only writes a count was written once per width. The migration marks
+    such rows folded, so a wider read does not add the minute's row to the hour's."""
+    from django.core.management import call_command
+
+    call_command("migrate", "a2a", "0007", verbosity=0)
+    try:
+        minute, hour = int(now.timestamp()) // 60, int(now.timestamp()) // 3600
+        Rollup.objects.bulk_create([
+            Rollup(step=60, bucket=minute, scope=AGENT, subject="fin.tax", metric="tasks",
+                   n=2),
+            Rollup(step=3600, bucket=hour, scope=AGENT, subject="fin.tax", metric="tasks",
+                   n=2),
+        ])
+    finally:
+        call_command("migrate", "a2a", verbosity=0)
+    assert rollup_totals(scope=AGENT, step=3600, first=hour, last=hour)["fin.tax"][
+        "tasks"] == 2
+    assert rollup_totals(scope=AGENT, step=60, first=minute, last=minute)["fin.tax"][
+        "tasks"] == 2
+    rollups_fold(now=now)
+    assert rollup_totals(scope=AGENT, step=3600, first=hour, last=hour)["fin.tax"][
+        "tasks"] == 2
