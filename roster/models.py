@@ -84,12 +84,15 @@ class Consistency(models.TextChoices):
 
 class ClusterNode(models.Model):
     class Status(models.TextChoices):
+        # Named by a registration, never heard on the bus: nothing proves it runs yet.
+        REGISTERED = "REGISTERED", "registered, never heard"
         ONLINE = "ONLINE", "online"
         DOWN = "DOWN", "down"  # known, but silent for three heartbeat intervals
 
     node_id = models.CharField(max_length=128, unique=True)
     url = models.CharField(max_length=500, blank=True)
-    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ONLINE)
+    status = models.CharField(max_length=16, choices=Status.choices,
+                              default=Status.REGISTERED)
     # Null until the node sends a heartbeat: a registration alone does not prove it runs.
     last_seen_at = models.DateTimeField(null=True, blank=True, db_index=True)
     heartbeat_ms = models.PositiveIntegerField(null=True, blank=True)
@@ -180,9 +183,13 @@ class Agent(models.Model):
         return self.lease_expires_at - (now or timezone.now())
 
     def is_stale(self, now: datetime | None = None, heard_since=_LOOKUP) -> bool:
-        """Missed two heartbeats in a row while its lease still runs: an early warning."""
+        """Missed two heartbeats in a row while its lease still runs (an early warning), or
+        on a node reconciliation found STALE: what the directory calls STALE and routes no
+        work to (directory/resolver.py). Read with its node (select_related)."""
         if self.status == self.Status.OFFLINE:
             return False
+        if self.node.consistency == Consistency.STALE:
+            return True
         now = now or timezone.now()
         cutoff = stale_cutoff(now, _heard_since(now) if heard_since is _LOOKUP else heard_since)
         return cutoff is not None and (self.last_heartbeat_at or self.registered_at) < cutoff

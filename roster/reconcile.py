@@ -33,7 +33,7 @@ from django.utils import timezone
 from reachconsole.core.audit import audit_record
 from roster.hearing import bus_heard_since
 from roster.models import NODE_ID_RE, Agent, ClusterNode, Consistency, Reconciliation
-from roster.services import node_down_after
+from roster.services import node_down_after, silence_words
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +118,8 @@ def node_verdict(node: ClusterNode, node_set: NodeSet, *, now: datetime,
     window = node_down_after(node.heartbeat_ms)
     if node.last_seen_at is not None and heard_since is not None:
         if max(node.last_seen_at, heard_since) < now - window:
-            silent = int((now - node.last_seen_at).total_seconds())
-            return Consistency.STALE, (f"node {node.node_id} has been silent for {silent} s "
-                                       f"(more than {int(window.total_seconds())} s, three "
-                                       "heartbeats)")
+            return Consistency.STALE, silence_words(node.node_id, node.last_seen_at, now=now,
+                                                    window=window)
         if node.last_seen_at >= now - window:
             return Consistency.OK, f"node {node.node_id} is live"
     if listed is not None:

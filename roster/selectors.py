@@ -40,11 +40,15 @@ class AgentFilter:
 
 def _stale_q(now: datetime) -> Q:
     # Mirrors Agent.is_stale() so the filter and the badge always agree.
+    on_stale_node = Q(node__consistency=Consistency.STALE)
     cutoff = stale_cutoff(now, bus_heard_since(now=now))
     if cutoff is None:
-        return Q(pk__in=[])  # the console has not heard the bus long enough to judge
+        # The console has not heard the bus long enough to judge heartbeats; what
+        # reconciliation found of a node does not depend on that.
+        return ~Q(status=Agent.Status.OFFLINE) & on_stale_node
     return ~Q(status=Agent.Status.OFFLINE) & (
-        Q(last_heartbeat_at__lt=cutoff)
+        on_stale_node
+        | Q(last_heartbeat_at__lt=cutoff)
         | Q(last_heartbeat_at__isnull=True, registered_at__lt=cutoff)
     )
 
@@ -141,7 +145,9 @@ def node_problems(*, now: datetime | None = None, per_node: int = 10
     rows = (problems.annotate(place=Window(RowNumber(), partition_by=[F("node_id")],
                                            order_by=F("agent_id").asc()))
             .filter(place__lte=per_node)
-            .only("agent_id", "status", "node_id", "last_heartbeat_at", "registered_at")
+            .select_related("node")
+            .only("agent_id", "status", "node_id", "last_heartbeat_at", "registered_at",
+                  "node__consistency")
             .order_by("node_id", "agent_id"))
     for agent in rows:
         first.setdefault(agent.node_id, []).append(agent)
@@ -243,9 +249,11 @@ class NodeSummary:
     total: int
     online: int  # in service and heard within three heartbeat intervals
     down: int  # in service and silent
+    registered: int  # in service, named by a registration and never heard
     retired: int  # taken out of service by an operator
     consistency: dict[str, int]  # what the last reconciliation said: OK, STALE, UNKNOWN
-    attention: list[ClusterNode]  # the first few that are down, STALE or retired, by node id
+    # The first few that are down, never heard, STALE or retired, by node id.
+    attention: list[ClusterNode]
 
 
 def node_summary(*, attention: int = 10) -> NodeSummary:
@@ -256,14 +264,16 @@ def node_summary(*, attention: int = 10) -> NodeSummary:
         total=Count("id"),
         online=Count("id", filter=in_service & Q(status=ClusterNode.Status.ONLINE)),
         down=Count("id", filter=in_service & Q(status=ClusterNode.Status.DOWN)),
+        registered=Count("id", filter=in_service & Q(status=ClusterNode.Status.REGISTERED)),
         retired=Count("id", filter=Q(retired=True)),
         **{cls: Count("id", filter=Q(consistency=cls)) for cls in Consistency.values},
     )
-    needs = (Q(retired=True) | Q(status=ClusterNode.Status.DOWN)
+    needs = (Q(retired=True)
+             | Q(status__in=[ClusterNode.Status.DOWN, ClusterNode.Status.REGISTERED])
              | Q(consistency=Consistency.STALE))
     return NodeSummary(
         total=counts["total"], online=counts["online"], down=counts["down"],
-        retired=counts["retired"],
+        registered=counts["registered"], retired=counts["retired"],
         consistency={cls: counts[cls] for cls in Consistency.values},
         attention=list(ClusterNode.objects.filter(needs).order_by("node_id")[:attention]),
     )

@@ -730,7 +730,8 @@ def node_seen(
     heartbeat_ms: int | None = None,
     now: datetime | None = None,
 ) -> ClusterNode:
-    """Record that a node spoke on the bus (a heartbeat): last seen now, status ONLINE.
+    """Record that a node spoke on the bus (a heartbeat): last seen now, status ONLINE (from
+    REGISTERED, DOWN or ONLINE).
 
     Without a node authority (REACH_CLUSTER_NODES_URL) the heartbeat is the node's proof of
     life, so a node that was STALE or UNKNOWN for its silence is OK again at once; with
@@ -768,28 +769,51 @@ def node_down_after(heartbeat_ms: int | None) -> timedelta:
                      * (heartbeat_ms or settings.REACH_HEARTBEAT_MS))
 
 
+def silence_words(node_id: str, last_seen: datetime, *, now: datetime,
+                  window: timedelta) -> str:
+    """Why a silent node is DOWN and STALE, as the node's card and the directory say it."""
+    silent = int((now - last_seen).total_seconds())
+    return (f"node {node_id} has been silent for {silent} s (more than "
+            f"{int(window.total_seconds())} s, three heartbeats)")
+
+
 def nodes_sweep(*, now: datetime | None = None) -> int:
     """Nodes silent for three heartbeat intervals become DOWN, judged only over time the
     console itself heard the bus (its own deafness is no node's silence). A node never heard
-    is silent since it was registered: a registration alone does not prove it runs, and it
-    must not stay ONLINE with nothing seen. A heartbeat makes a node ONLINE again
-    (node_seen). Returns how many changed."""
+    (REGISTERED) is silent since it was registered: a registration alone does not prove it
+    runs. A heartbeat makes a node ONLINE again (node_seen). Returns how many changed.
+
+    A heard node that goes DOWN is STALE at once, with the words reconciliation would give
+    (roster/reconcile.py `node_verdict`): its card must not show DOWN beside an OK that only
+    the next reconciliation would take back. UNKNOWN stays UNKNOWN until then."""
     now = now or timezone.now()
     heard_since = bus_heard_since(now=now)
     if heard_since is None:
         return 0
+    live = [ClusterNode.Status.ONLINE, ClusterNode.Status.REGISTERED]
     # Nodes are few (one row a machine or process): judged here, each by its own interval,
-    # then changed in one guarded statement.
-    down = [
-        pk for pk, last_seen, created, beat_ms in ClusterNode.objects.filter(
-            status=ClusterNode.Status.ONLINE,
-        ).values_list("pk", "last_seen_at", "created_at", "heartbeat_ms")
-        if max(last_seen or created, heard_since) < now - node_down_after(beat_ms)
-    ]
+    # then changed in guarded statements.
+    down: list[int] = []
+    stale: dict[int, str] = {}
+    for pk, node_id, last_seen, created, beat_ms, consistency in (
+            ClusterNode.objects.filter(status__in=live).values_list(
+                "pk", "node_id", "last_seen_at", "created_at", "heartbeat_ms",
+                "consistency")):
+        window = node_down_after(beat_ms)
+        if max(last_seen or created, heard_since) < now - window:
+            down.append(pk)
+            if last_seen is not None and consistency == Consistency.OK:
+                stale[pk] = silence_words(node_id, last_seen, now=now, window=window)
     if not down:
         return 0
-    return ClusterNode.objects.filter(pk__in=down, status=ClusterNode.Status.ONLINE).update(
-        status=ClusterNode.Status.DOWN)
+    with transaction.atomic():
+        changed = ClusterNode.objects.filter(pk__in=down, status__in=live).update(
+            status=ClusterNode.Status.DOWN)
+        for pk, reason in stale.items():
+            ClusterNode.objects.filter(pk=pk, status=ClusterNode.Status.DOWN,
+                                       consistency=Consistency.OK).update(
+                consistency=Consistency.STALE, consistency_reason=reason[:300])
+    return changed
 
 
 def node_retire(*, node_id: str, retired: bool = True, actor: str = "") -> ClusterNode:

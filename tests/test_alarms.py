@@ -206,7 +206,8 @@ def test_a_silent_node_raises_one_alarm_with_what_it_took_as_children_and_retiri
     assert "Node node-a is down" in node.detail and "Its 2 agents get no new work" in node.detail
     tax = one(K.CAPABILITY_UNCOVERED, "tax")
     assert tax.parent_id == node.id  # only node-a offered it: part of node-a's alarm
-    assert "node node-a is down" in tax.detail
+    # The sweep that found the silence said STALE with it (no green OK beside DOWN).
+    assert "node node-a has been silent for" in tax.detail
     # `audit` is offered on node-a and by a draining agent on node-b: not only node-a's doing.
     assert one(K.CAPABILITY_UNCOVERED, "audit").parent_id is None
     assert not Alarm.objects.filter(subject="vat").exists()  # web.vat on node-b takes it

@@ -163,15 +163,40 @@ def test_it_counts_nodes_by_status_and_class():
     register("fin.tax", "node-a")
     register("fin.vat", "node-b")
     register("llm.chat", "node-c")
+    register("fin.new", "node-d")  # never heard
+    services.node_seen(node_id="node-a")
     ClusterNode.objects.filter(node_id="node-b").update(status=ClusterNode.Status.DOWN)
     services.node_retire(node_id="node-c", actor="ops")
     ClusterNode.objects.filter(node_id="node-a").update(consistency="OK")
 
     summary = node_summary()
 
-    assert (summary.total, summary.online, summary.down, summary.retired) == (3, 1, 1, 1)
+    assert (summary.total, summary.online, summary.down, summary.registered,
+            summary.retired) == (4, 1, 1, 1, 1)
     assert summary.consistency["OK"] == 1
-    assert [n.node_id for n in summary.attention] == ["node-b", "node-c"]
+    assert [n.node_id for n in summary.attention] == ["node-b", "node-c", "node-d"]
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("console_hears")
+def test_a_silent_node_is_never_down_beside_a_green_ok(viewer, now):
+    """DOWN showed beside OK on the node's card and on the overview until the next
+    reconciliation: the sweep that finds the silence says STALE at once, with its words."""
+    register("fin.tax", "node-a")
+    services.node_seen(node_id="node-a", heartbeat_ms=1000, now=now)
+    assert ClusterNode.objects.get(node_id="node-a").consistency == "OK"
+    assert services.nodes_sweep(now=now + timedelta(seconds=4)) == 1
+    node = ClusterNode.objects.get(node_id="node-a")
+    assert (node.status, node.consistency) == ("DOWN", "STALE")
+    assert node.consistency_reason == ("node node-a has been silent for 4 s (more than 3 s, "
+                                       "three heartbeats)")
+    for page, start, end in (("/overview/", 'data-node="node-a"', "</li>"),
+                             ("/cluster/", 'id="node-node-a"', "</h2>")):
+        html = viewer.get(page).content.decode()
+        card = html[html.index(start):]
+        card = card[:card.index(end)]
+        assert "badge DOWN" in card and "badge STALE" in card, page
+        assert "badge OK" not in card, page
 
 
 @pytest.mark.django_db

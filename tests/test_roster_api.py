@@ -189,6 +189,35 @@ def test_it_filters_the_roster(api, now):
     assert api.get("/api/roster/agents", {"status": "BOGUS"}).status_code == 422
 
 
+def test_agents_on_a_stale_node_are_stale_in_every_filter_and_field(api, now):
+    """`?stale=true` answered [] while an agent's node was STALE, although the directory
+    calls such an agent STALE and routes nothing to it."""
+    from roster.models import Consistency
+
+    register("fin.tax", "node-a")
+    register("fin.vat", "node-b")
+    services.node_seen(node_id="node-a")
+    services.node_seen(node_id="node-b")
+    ClusterNode.objects.filter(node_id="node-b").update(
+        consistency=Consistency.STALE, consistency_reason="node node-b is not in the set")
+    stale = api.get("/api/roster/agents", {"stale": "true"}).json()
+    assert [a["agentId"] for a in stale] == ["fin.vat"] and stale[0]["stale"] is True
+    assert [a["agentId"] for a in api.get("/api/roster/agents", {"status": "STALE"}).json()
+            ] == ["fin.vat"]
+    fresh = api.get("/api/roster/agents", {"stale": "false"}).json()
+    assert [(a["agentId"], a["stale"]) for a in fresh] == [("fin.tax", False)]
+
+
+def test_a_node_never_heard_is_registered_not_online(api, now):
+    """`/api/cluster/nodes` showed a node ONLINE with `lastSeen: null`."""
+    register("fin.tax", "node-a")
+    node = {n["nodeId"]: n for n in api.get("/api/cluster/nodes").json()}["node-a"]
+    assert (node["status"], node["lastSeen"]) == ("REGISTERED", None)
+    services.node_seen(node_id="node-a")
+    node = {n["nodeId"]: n for n in api.get("/api/cluster/nodes").json()}["node-a"]
+    assert node["status"] == "ONLINE" and node["lastSeen"]
+
+
 def test_it_lists_nodes_and_consistency(api, now):
     register("fin.tax", "node-a")
     register("fin.vat", "node-b")

@@ -332,10 +332,11 @@ def test_it_tracks_nodes_seen_and_silent(now, settings):
 
 
 def test_a_node_registered_and_never_heard_goes_down_too(now, settings):
-    """Registered over HTTP, never a heartbeat: it stayed ONLINE with lastSeen null."""
+    """Registered over HTTP, never a heartbeat: it stayed ONLINE with lastSeen null. It is
+    REGISTERED (never heard) until a heartbeat, and DOWN after its silence."""
     register("fin.quiet", "node-quiet", now=now)
     node = ClusterNode.objects.get(node_id="node-quiet")
-    assert node.last_seen_at is None and node.status == ClusterNode.Status.ONLINE
+    assert node.last_seen_at is None and node.status == ClusterNode.Status.REGISTERED
     silent = 3 * settings.REACH_HEARTBEAT_MS
     assert services.nodes_sweep(now=later(node.created_at, silent)) == 0
     assert services.nodes_sweep(now=later(node.created_at, silent + 1)) == 1
