@@ -266,15 +266,19 @@ def signed_in_client(username: str, *codenames: str):
     """The bench database migrated, and a Django test client signed in as `username`
     (created on first use) holding these permissions: how the page benches read pages."""
     from django.conf import settings
-    from django.contrib.auth.models import Permission, User
+    from django.contrib.auth.models import Group, Permission, User
     from django.core.management import call_command
     from django.test import Client
+
+    from reachconsole.core.roles import VIEWER
 
     call_command("migrate", verbosity=0)
     settings.ALLOWED_HOSTS = ["*"]
     user = User.objects.filter(username=username).first() or User.objects.create_user(
         username, password=f"{username}-pw")
     user.user_permissions.add(*Permission.objects.filter(codename__in=codenames))
+    # A viewer at least: an account in no role sees only the page that says whom to ask.
+    user.groups.add(Group.objects.get(name=VIEWER))
     client = Client()
     client.force_login(user)
     return client

@@ -82,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     settings.ALLOWED_HOSTS = ["*"]
     user = User.objects.filter(username="bench-viewer").first() or User.objects.create_user(
         "bench-viewer", password="bench-viewer-pw")
+    # A viewer: an account in no role sees only the page that says whom to ask.
+    from django.contrib.auth.models import Group
+
+    from reachconsole.core.roles import VIEWER
+
+    user.groups.add(Group.objects.get(name=VIEWER))
     client = Client()
     client.force_login(user)
     results = {}

@@ -23,12 +23,14 @@ from messages.events import (
     scene_group,
     session_group,
 )
+from reachconsole.core.roles import may_read
 
 log = logging.getLogger(__name__)
 
 SOCKET_QUEUE_FRAMES = 256
 CLOSE_TOO_SLOW = 4008
 CLOSE_UNAUTHORIZED = 4401
+CLOSE_NO_ROLE = 4403  # signed in, but the account may not read the console
 
 
 class EventStreamConsumer(AsyncJsonWebsocketConsumer):
@@ -42,6 +44,10 @@ class EventStreamConsumer(AsyncJsonWebsocketConsumer):
             # the page would retry forever instead of saying the session ended.
             await self.accept()
             await self.close(code=CLOSE_UNAUTHORIZED)
+            return
+        if not await database_sync_to_async(may_read)(user):
+            await self.accept()
+            await self.close(code=CLOSE_NO_ROLE)
             return
         self.group = self.group_for(self.scope["url_route"]["kwargs"])
         self.outbox: asyncio.Queue = asyncio.Queue(maxsize=SOCKET_QUEUE_FRAMES)

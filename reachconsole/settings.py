@@ -69,6 +69,8 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    # A signed-in account with no role sees one page that says whom to ask.
+    "reachconsole.readers.ReadersOnlyMiddleware",
     # A NUL in a page's query string: 400 with words, not a 500 from PostgreSQL.
     "reachconsole.error_pages.NulQueryMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",

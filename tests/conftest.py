@@ -94,6 +94,24 @@ def staff_user(username: str, *codenames: str):
     return user
 
 
+def reader(username: str, password: str | None = None, **extra):
+    """A person who may read the console (the viewer's permissions: reachconsole/core/roles.py),
+    as a page test needs; an account with none sees only the page that says whom to ask.
+    Granted directly rather than through the group: a flush empties the groups."""
+    from django.contrib.auth.models import Permission, User
+    from django.db.models import Q
+
+    from reachconsole.core.roles import VIEWER_PERMISSIONS
+
+    user = User.objects.create_user(username, password=password or f"pw-{username}-123",
+                                    **extra)
+    wanted = Q(pk__in=[])
+    for app, codename in VIEWER_PERMISSIONS:
+        wanted |= Q(content_type__app_label=app, codename=codename)
+    user.user_permissions.add(*Permission.objects.filter(wanted))
+    return user
+
+
 def logged_in(user, **kwargs) -> Client:
     """A browser session of `user` (Client options, e.g. enforce_csrf_checks, in kwargs)."""
     client = Client(**kwargs)

@@ -4,7 +4,7 @@ and leaves to registration what only registration may set."""
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import Permission
 from django.test import Client
 from django.utils.html import escape
 
@@ -13,7 +13,7 @@ from directory.models import Alias
 from reachconsole.core.audit import AuditEntry
 from roster import errors as roster_errors
 from roster.models import Agent, ClusterNode, Namespace, RosterEvent
-from tests.conftest import register
+from tests.conftest import reader, register
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 def staff() -> Client:
     """A staff member with the model permissions of the roster and the directory (not a
     superuser: what the admin offers is what permissions and the model admins allow)."""
-    user = User.objects.create_user("sam", password="pw-sam-123", is_staff=True)
+    user = reader("sam", password="pw-sam-123", is_staff=True)
     user.user_permissions.add(*Permission.objects.filter(
         content_type__app_label__in=["roster", "directory"]))
     client = Client()

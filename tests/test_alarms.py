@@ -26,7 +26,7 @@ from reachconsole.core import roles
 from reachconsole.core.audit import AuditEntry
 from roster import services
 from roster.models import ClusterNode
-from tests.conftest import FIN_TOKEN, ApiClient, logged_in, register, run_at_once
+from tests.conftest import FIN_TOKEN, ApiClient, logged_in, reader, register, run_at_once
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 K = Alarm.Kind
@@ -75,7 +75,7 @@ def node_goes_silent(node_id: str, *, heartbeat_ms: int = 1000) -> None:
 
 
 def member(username: str, group: str) -> User:
-    user = User.objects.create_user(username, password=f"pw-{username}-123")
+    user = reader(username, password=f"pw-{username}-123")
     user.groups.add(Group.objects.get(name=group))
     return user
 

@@ -8,14 +8,14 @@ import re
 from datetime import timedelta
 
 import pytest
-from django.contrib.auth.models import Group, User
+from django.contrib.auth.models import Group
 from django.test import Client
 from django.utils import timezone
 
 from reachconsole import audit_views
 from reachconsole.core import roles
 from reachconsole.core.audit import AuditEntry
-from tests.conftest import logged_in, register
+from tests.conftest import logged_in, reader, register
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
@@ -25,7 +25,7 @@ NEXT = re.compile(r'<a href="\?([^"]*)"[^>]*id="audit-next"')
 
 @pytest.fixture
 def viewer() -> Client:
-    user = User.objects.create_user("vera", password="pw-vera-123")
+    user = reader("vera", password="pw-vera-123")
     user.groups.add(Group.objects.get(name=roles.VIEWER))
     return logged_in(user)
 
@@ -175,7 +175,7 @@ def test_a_refused_action_is_shown_refused(world_operator):
 
 @pytest.fixture
 def world_operator():
-    user = User.objects.create_user("otto", password="pw-otto-123")
+    user = reader("otto", password="pw-otto-123")
     user.groups.add(Group.objects.get(name=roles.OPERATOR))
     agent = register("fin.tax", "node-a")
     return logged_in(user), agent.agent_id

@@ -24,7 +24,7 @@ from messages.broker_caps import (
     connack_caps,
     limitations,
 )
-from tests.conftest import logged_in, staff_user
+from tests.conftest import logged_in, reader
 from tests.test_bridge import eventually
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -84,7 +84,7 @@ def test_the_overview_shows_what_this_broker_cannot_do(bridge, broker):
         # MQTT 3.1.1 has neither: said, not assumed away.
         assert caps["shared_subscriptions"] is False and caps["session_expiry"] is None
         assert LIMITS["shared_subscriptions"] in limitations(caps)
-    viewer = logged_in(staff_user("caps-viewer"))
+    viewer = logged_in(reader("caps-viewer"))
     page = viewer.get("/overview/").content.decode()
     assert f'data-broker-caps="{bridge.client_id}"' in page
     assert f"MQTT {settings.MQTT_PROTOCOL}" in page

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import Permission
 from playwright.sync_api import expect
 
 from reachconsole.core.roles import action_refused_words
 from roster.models import Agent
 from tests.browser import chromium_page
-from tests.conftest import register
+from tests.conftest import reader, register
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_refused_action_shows_its_words_on_the_page(live_server, async_unsafe, settings):
     settings.DEBUG = False
-    user = User.objects.create_user("olga", password="pw-olga-123")
+    user = reader("olga", password="pw-olga-123")
     permission = Permission.objects.get(codename="change_agent")
     user.user_permissions.add(permission)
     register("fin.tax", "node-a")

@@ -3,19 +3,19 @@ from __future__ import annotations
 import re
 
 import pytest
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import Permission
 from playwright.sync_api import expect
 
 from messages.models import Message
 from messages.outbound import SendRequest, message_send
 from reachconsole.core.audit import AuditEntry
 from tests.browser import chromium_page
-from tests.conftest import register
+from tests.conftest import reader, register
 
 
 @pytest.mark.django_db(transaction=True)
 def test_an_operator_finds_a_failed_message_and_resends_it(live_server, async_unsafe):
-    user = User.objects.create_user("olga", password="pw-olga-123")
+    user = reader("olga", password="pw-olga-123")
     user.user_permissions.add(Permission.objects.get(codename="resend_message"))
     failed = message_send(request=SendRequest(to="fin.tax", task_id="job-77",
                                               payload={"note": "<b>bold?</b>"}))

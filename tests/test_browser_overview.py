@@ -5,13 +5,12 @@ charts, and follows traffic from the stream without a reload."""
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth.models import User
 from playwright.sync_api import expect
 
 from alarms.evaluate import alarms_evaluate
 from roster import services
 from tests.browser import chromium_page, sign_in
-from tests.conftest import register
+from tests.conftest import reader, register
 from tests.mqtt import free_port
 from tests.processes import HOST, api_send, console_serving
 
@@ -22,7 +21,7 @@ def tile_value(page, key: str):
 
 @pytest.mark.django_db(transaction=True)
 def test_the_overview_draws_charts_and_follows_traffic_without_a_reload(tmp_path):
-    User.objects.create_user("olga", password="pw-olga-123")
+    reader("olga", password="pw-olga-123")
     register("fin.tax", "node-a", capabilities=["tax"])
     register("llm.audit", "node-b", capabilities=["audit"])
     services.agent_drain(agent_id="llm.audit", actor="ops")

@@ -10,7 +10,7 @@ from playwright.sync_api import expect
 from reachconsole.core import roles
 from roster.models import Agent, ClusterNode
 from tests.browser import chromium_page, sign_in
-from tests.conftest import register
+from tests.conftest import reader, register
 from tests.test_roles import roles_migrate
 
 
@@ -18,7 +18,7 @@ def member(username: str, group: str) -> User:
     # A transactional test's flush empties the groups the migration made: make them again.
     if not Group.objects.filter(name=group).exists():
         roles_migrate()
-    user = User.objects.create_user(username, password=f"pw-{username}-123")
+    user = reader(username, password=f"pw-{username}-123")
     user.groups.add(Group.objects.get(name=group))
     return user
 

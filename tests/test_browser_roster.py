@@ -3,19 +3,19 @@ from __future__ import annotations
 import re
 
 import pytest
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import Permission
 from playwright.sync_api import expect
 
 from roster.models import Agent, RosterEvent
 from tests.browser import chromium_page, htmx_ready
-from tests.conftest import register
+from tests.conftest import reader, register
 
 XSS = '<img src=x onerror="window.pwned=1">'
 
 
 @pytest.mark.django_db(transaction=True)
 def test_it_logs_in_filters_and_drains_an_agent(live_server, async_unsafe):
-    user = User.objects.create_user("olga", password="pw-olga-123")
+    user = reader("olga", password="pw-olga-123")
     user.user_permissions.add(Permission.objects.get(codename="change_agent"))
     register("fin.tax", "node-a", capabilities=["tax"], metadata={"note": XSS})
     register("fin.vat", "node-b", capabilities=["vat"])

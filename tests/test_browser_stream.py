@@ -11,11 +11,10 @@ from __future__ import annotations
 import re
 
 import pytest
-from django.contrib.auth.models import User
 from playwright.sync_api import expect
 
 from tests.browser import chromium_page, sign_in
-from tests.conftest import register
+from tests.conftest import reader, register
 from tests.mqtt import free_port
 from tests.processes import HOST, api_send, console_serving
 
@@ -38,7 +37,7 @@ def heard(page, name: str, message_id: str | None = None) -> bool:
 
 @pytest.mark.django_db(transaction=True)
 def test_it_dispatches_events_resyncs_after_a_restart_and_stops_when_signed_out(tmp_path):
-    User.objects.create_user("olga", password="pw-olga-123")
+    reader("olga", password="pw-olga-123")
     register("fin.tax", "node-a", capabilities=["tax"])
     port = free_port()
     base = f"http://{HOST}:{port}"
@@ -107,7 +106,7 @@ def test_live_stays_in_the_header_after_a_boosted_action(tmp_path, async_unsafe)
     from messages.models import Message
     from messages.outbound import SendRequest, message_send
 
-    user = User.objects.create_user("olga", password="pw-olga-123")
+    user = reader("olga", password="pw-olga-123")
     user.user_permissions.add(Permission.objects.get(codename="resend_message"))
     failed = message_send(request=SendRequest(to="fin.tax", task_id="job-live"))
     register("fin.tax", "node-a")

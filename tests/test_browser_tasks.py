@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import Permission
 from django.db import transaction
 from playwright.sync_api import expect
 
@@ -16,13 +16,13 @@ from messages.state import Change, changes_apply
 from reachconsole.core import roles
 from roster.models import Agent
 from tests.browser import chromium_page, htmx_ready, sign_in
-from tests.conftest import published, register
+from tests.conftest import published, reader, register
 
 
 def person(username: str, permissions: list[tuple[str, str]]) -> None:
     """A person holding a role's permissions (a transactional test's flush empties the
     groups that migrate made)."""
-    user = User.objects.create_user(username, password=f"pw-{username}-123")
+    user = reader(username, password=f"pw-{username}-123")
     for app_label, codename in permissions:
         user.user_permissions.add(Permission.objects.get(content_type__app_label=app_label,
                                                          codename=codename))

@@ -12,12 +12,11 @@ import json
 import uuid
 
 import pytest
-from django.contrib.auth.models import User
 from playwright.sync_api import expect
 
 from messages.models import Message
 from tests.browser import chromium_page
-from tests.conftest import register
+from tests.conftest import reader, register
 from tests.mqtt import free_port
 from tests.processes import HOST, api_send, console_serving
 
@@ -51,7 +50,7 @@ def shown_ids(page) -> list[str]:
 
 @pytest.mark.django_db(transaction=True)
 def test_rows_and_failures_arrive_live_and_a_paused_list_holds_still(tmp_path):
-    User.objects.create_user("olga", password="pw-olga-123")
+    reader("olga", password="pw-olga-123")
     register("fin.tax", "node-a", capabilities=["tax"])
     port = free_port()
     base = f"http://{HOST}:{port}"
@@ -101,7 +100,7 @@ def test_rows_and_failures_arrive_live_and_a_paused_list_holds_still(tmp_path):
 
 @pytest.mark.django_db(transaction=True)
 def test_a_filtered_list_counts_only_matching_rows_and_exports_them(tmp_path, async_unsafe):
-    User.objects.create_user("olga", password="pw-olga-123")
+    reader("olga", password="pw-olga-123")
     register("fin.tax", "node-a", capabilities=["tax"])
     port = free_port()
     base = f"http://{HOST}:{port}"

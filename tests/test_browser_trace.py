@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import Permission
 from django.db import transaction
 from playwright.sync_api import expect
 
@@ -16,11 +16,11 @@ from messages.outbound import SendRequest, message_send
 from messages.state import Change, changes_apply
 from roster.models import Agent, RosterEvent
 from tests.browser import chromium_page, sign_in
-from tests.conftest import register
+from tests.conftest import reader, register
 
 
 def operator(*codenames: str) -> None:
-    user = User.objects.create_user("olga", password="pw-olga-123")
+    user = reader("olga", password="pw-olga-123")
     user.user_permissions.add(*Permission.objects.filter(codename__in=codenames))
 
 

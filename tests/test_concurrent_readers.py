@@ -14,10 +14,9 @@ from collections import Counter
 
 import pytest
 from django.conf import settings
-from django.contrib.auth import get_user_model
 from django.test import Client
 
-from tests.conftest import TOKEN, register
+from tests.conftest import TOKEN, reader, register
 from tests.processes import HOST, daphne_serving
 
 READERS = 200
@@ -79,7 +78,7 @@ def test_200_concurrent_readers_get_no_5xx(daphne):
     for i in range(20):
         register(f"readers.a{i}", f"node-{i % 4}")
     client = Client()
-    client.force_login(get_user_model().objects.create_user("reader", password="pw-123456"))
+    client.force_login(reader("reader", password="pw-123456"))
     session = client.cookies[settings.SESSION_COOKIE_NAME].value
     headers = {
         "/": {"Cookie": f"{settings.SESSION_COOKIE_NAME}={session}"},

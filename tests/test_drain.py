@@ -21,7 +21,7 @@ from messages.sweeps import deliveries_sweep
 from reachconsole.core.audit import AuditEntry
 from roster import errors, services
 from roster.models import Agent, RosterEvent
-from tests.conftest import ApiClient, acked, logged_in, published, register, staff_user
+from tests.conftest import ApiClient, acked, logged_in, published, reader, register, staff_user
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 ACK_MS = settings.REACH_ACK_TIMEOUT_MS
@@ -164,7 +164,7 @@ def test_the_page_action_undrains_and_a_viewer_is_refused(operator, now):
     html = operator.get("/agents/fin.tax/").content.decode()
     assert 'id="undrain"' in html and 'action="/agents/fin.tax/undrain"' in html
 
-    viewer = logged_in(staff_user("victor"))
+    viewer = logged_in(reader("victor"))
     assert viewer.post("/agents/fin.tax/undrain").status_code == 403
     assert viewer.get("/agents/fin.tax/undrain").status_code in (403, 405)
     assert Agent.objects.get(agent_id="fin.tax").status == Agent.Status.DRAINING

@@ -10,7 +10,7 @@ from django.utils.html import escape
 
 from reachconsole import error_pages
 from reachconsole.core.roles import action_refused_words
-from tests.conftest import logged_in
+from tests.conftest import logged_in, reader
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
@@ -24,7 +24,7 @@ def _no_debug(settings):
 
 @pytest.fixture
 def viewer() -> User:
-    return User.objects.create_user("victor", password="pw-victor-123")
+    return reader("victor", password="pw-victor-123")
 
 
 def assert_console_page(response, status: int, words: str) -> str:

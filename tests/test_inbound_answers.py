@@ -6,7 +6,6 @@ seen, with the reason, and changes nothing."""
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth.models import User
 from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
@@ -14,6 +13,7 @@ from django.test.utils import CaptureQueriesContext
 from messages import protocol
 from messages.inbound import Incoming, messages_ingest
 from messages.models import Direction, Message, Status, Transition
+from tests.conftest import reader
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 MT = protocol.MessageType
@@ -183,7 +183,7 @@ def test_the_trace_shows_why_an_answer_was_not_accepted():
     forged = answer(MT.TASK_RESPONSE, "req-1", origin="node-x")
     ingest((inbox(), forged))
     client = Client()
-    client.force_login(User.objects.create_user("victor", password="pw-victor-123"))
+    client.force_login(reader("victor", password="pw-victor-123"))
     own = client.get(f"/messages/{forged.message_id}/").content.decode()
     assert 'id="message-error"' in own and "it came from node node-x" in own
     # The request's trace lists it among its answers, with the reason.

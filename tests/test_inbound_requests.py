@@ -16,7 +16,7 @@ from messages.inbound import DRAIN_NO_ORIGIN, NO_REPLY_NODE, Incoming, messages_
 from messages.models import Direction, Message, Status
 from reachconsole.core.audit import AuditEntry
 from roster.models import Agent, RosterEvent
-from tests.conftest import register
+from tests.conftest import reader, register
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 MT = protocol.MessageType
@@ -326,12 +326,11 @@ def test_the_consoles_own_traffic_keeps_its_payloads():
 
 
 def test_the_trace_of_an_observed_message_says_its_payload_was_not_stored():
-    from django.contrib.auth.models import User
     from django.test import Client
 
     env = _between_others()
     ingest((protocol.inbox_topic(PREFIX, "node-c"), protocol.encode(env)))
     client = Client()
-    client.force_login(User.objects.create_user("victor", password="pw-victor-123"))
+    client.force_login(reader("victor", password="pw-victor-123"))
     html = client.get(f"/messages/{env.message_id}/").content.decode()
     assert "not stored: traffic between other nodes" in html and "private" not in html

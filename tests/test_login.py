@@ -10,6 +10,7 @@ from django.contrib.auth.models import User
 from django.test import Client, RequestFactory
 
 from reachconsole.core.audit import AuditEntry
+from tests.conftest import reader
 
 pytestmark = pytest.mark.django_db
 
@@ -26,12 +27,12 @@ def _limits(settings):
 
 @pytest.fixture
 def anna() -> User:
-    return User.objects.create_user("anna", password="pw-anna-123", is_staff=True)
+    return reader("anna", password="pw-anna-123", is_staff=True)
 
 
 @pytest.fixture
 def bert() -> User:
-    return User.objects.create_user("bert", password="pw-bert-123", is_staff=True)
+    return reader("bert", password="pw-bert-123", is_staff=True)
 
 
 def attempt(path: str, username: str, password: str, address: str, **headers):

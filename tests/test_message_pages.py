@@ -6,14 +6,13 @@ import re
 from datetime import datetime
 
 import pytest
-from django.contrib.auth.models import User
 from django.test import Client
 
 from messages.models import Message, Status
 from messages.outbound import SendRequest, message_send
 from reachconsole.core.audit import AuditEntry
 from roster import services
-from tests.conftest import logged_in, register, staff_user
+from tests.conftest import logged_in, reader, register, staff_user
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 XSS = '<img src=x onerror="window.pwned=1">'
@@ -27,7 +26,7 @@ def operator() -> Client:
 @pytest.fixture
 def viewer() -> Client:
     client = Client()
-    client.force_login(User.objects.create_user("victor", password="pw-victor-123"))
+    client.force_login(reader("victor", password="pw-victor-123"))
     return client
 
 

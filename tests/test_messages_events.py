@@ -29,6 +29,7 @@ from messages.events import (
 )
 from messages.outbound import SendRequest, message_send
 from reachconsole.asgi import application
+from tests.conftest import reader
 
 pytestmark = pytest.mark.django_db(transaction=True)
 XSS = '<img src=x onerror="window.pwned=1">'
@@ -111,7 +112,7 @@ def _session_cookie(user: User) -> str:
 
 
 def test_the_timeline_socket_forwards_frames_with_event_names(bound_loop):
-    user = User.objects.create_user("ops", password="pw-ops-12345")
+    user = reader("ops", password="pw-ops-12345")
     cookie = _session_cookie(user)
 
     async def scenario():
@@ -135,7 +136,7 @@ def test_the_timeline_socket_forwards_frames_with_event_names(bound_loop):
 
 
 def test_the_socket_refuses_anonymous_users_and_foreign_origins():
-    user = User.objects.create_user("ops", password="pw-ops-12345")
+    user = reader("ops", password="pw-ops-12345")
     cookie = _session_cookie(user)
 
     async def attempt(headers):
@@ -158,10 +159,24 @@ def test_the_socket_refuses_anonymous_users_and_foreign_origins():
         return await attempt([(b"origin", b"http://evil.example"), (b"host", b"127.0.0.1"),
                               (b"cookie", f"sessionid={cookie}".encode())])
 
+    async def no_role_attempt():
+        # Signed in, but in no group: it may not read the console, streams included.
+        nobody = await database_sync_to_async(User.objects.create_user)(
+            "nora", password="pw-nora-123")
+        ws = WebsocketCommunicator(application, "/ws/timeline/", headers=[
+            (b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1"),
+            (b"cookie", f"sessionid={await database_sync_to_async(_session_cookie)(nobody)}"
+                        .encode())])
+        connected, _ = await ws.connect()
+        closing = await ws.receive_output(timeout=5)
+        await ws.disconnect()
+        return connected, closing.get("code")
+
     anonymous = run(anonymous_attempt)
     foreign = run(foreign_attempt)
     assert anonymous == (True, 4401)
     assert foreign[0] is False
+    assert run(no_role_attempt) == (True, 4403)
 
 
 def test_a_conversation_nobody_listens_to_gets_no_frame(bound_loop):

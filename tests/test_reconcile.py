@@ -12,7 +12,6 @@ from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from django.contrib.auth.models import User
 from django.test import Client
 
 from directory.resolver import resolve_agent_node
@@ -22,7 +21,7 @@ from reachconsole.core.audit import AuditEntry
 from roster import services
 from roster.models import Agent, ClusterNode, Consistency, Reconciliation, RosterEvent
 from roster.reconcile import cluster_reconcile
-from tests.conftest import TOKEN, ApiClient, later, logged_in, register, staff_user
+from tests.conftest import TOKEN, ApiClient, later, logged_in, reader, register, staff_user
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
@@ -246,7 +245,7 @@ def test_an_operator_reconciles_from_the_cluster_page_and_it_is_audited(operator
 
 
 def test_a_viewer_cannot_reconcile_drain_or_retire_a_node(client, cluster):
-    client.force_login(User.objects.create_user("victor", password="pw-victor-123"))
+    client.force_login(reader("victor", password="pw-victor-123"))
     page = client.get("/cluster/").content.decode()
     assert 'id="reconcile"' not in page and "data-retire-node" not in page
     assert client.post("/cluster/reconcile").status_code == 403

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from django.contrib.auth.models import User
 from django.test import Client
 
 from messages import protocol
@@ -14,6 +13,7 @@ from messages.events import message_events
 from messages.inbound import Incoming, messages_ingest
 from messages.models import Message
 from messages.redact import MASK, redacted
+from tests.conftest import reader
 
 MT = protocol.MessageType
 SECRET = "hunter2-do-not-show"
@@ -62,7 +62,7 @@ def received(db, console_hears) -> Message:
 
 def test_the_trace_page_masks_secrets_and_the_row_keeps_them(received):
     client = Client()
-    client.force_login(User.objects.create_user("victor", password="pw-victor-123"))
+    client.force_login(reader("victor", password="pw-victor-123"))
     html = client.get(f"/messages/{received.message_id}/").content.decode()
     assert SECRET not in html
     assert MASK in html and "bearer" in html

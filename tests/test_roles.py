@@ -180,11 +180,29 @@ def test_a_viewer_reads_why_each_action_is_missing(viewer, world):
     assert "Only operators can reconcile, drain or retire nodes" in cluster
 
 
-def test_a_person_in_no_group_is_refused_like_a_viewer(world):
+def test_a_person_in_no_group_reads_nothing_and_is_told_whom_to_ask(world):
+    """An account in no group read every page and exported every row."""
+    User.objects.create_superuser("ada", password="pw-ada-12345")
     nobody = logged_in(User.objects.create_user("nora", password="pw-nora-123"))
-    response = nobody.post(reverse("roster:drain", args=[world.agent.agent_id]))
-    assert response.status_code == 403
-    assert escape(roles.action_refused_words("nora")) in response.content.decode()
+    words = escape(roles.no_role_words("nora", ["ada"]))
+    assert "Ask an administrator (ada) to add you to the viewer group" in roles.no_role_words(
+        "nora", ["ada"])
+    for path in [*pages(world), "/messages/export.jsonl", "/messages/export.csv",
+                 "/tasks/export.jsonl"]:
+        response = nobody.get(path)
+        assert response.status_code == 403, (path, response.status_code)
+        body = response.content.decode()
+        assert words in body, path
+        assert world.failed.message_id not in body, path
+    fragment = nobody.get("/overview/", headers={"HX-Request": "true",
+                                                 "HX-Target": "overview-live"})
+    assert fragment.status_code == 403 and "<html" not in fragment.content.decode()
+    drain = nobody.post(reverse("roster:drain", args=[world.agent.agent_id]))
+    assert drain.status_code == 403 and words in drain.content.decode()
+    assert Agent.objects.get(agent_id=world.agent.agent_id).status == Agent.Status.ONLINE
+    # Signing in and out stays open to it; an anonymous visitor is still sent to sign in.
+    assert nobody.get("/accounts/login/").status_code == 200
+    assert Client().get("/overview/").status_code == 302
 
 
 def test_a_refusal_to_htmx_is_a_fragment_with_the_words(viewer, world):

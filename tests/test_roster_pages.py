@@ -7,7 +7,7 @@ from reachconsole.core.audit import AuditEntry
 from roster import services
 from roster.errors import AGENT_NOT_FOUND
 from roster.models import Agent, RosterEvent
-from tests.conftest import logged_in, register, staff_user
+from tests.conftest import logged_in, reader, register, staff_user
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
@@ -21,7 +21,7 @@ def operator() -> User:
 
 @pytest.fixture
 def viewer() -> User:
-    return User.objects.create_user("victor", password="pw-victor-123")
+    return reader("victor", password="pw-victor-123")
 
 
 def test_it_requires_login(client):
@@ -157,7 +157,7 @@ def test_the_admin_edits_namespaces_and_aliases(admin_client):
 def test_login_is_throttled_after_repeated_failures(client, settings):
     # The full set (per user and address, every login path, the cool-off): test_login.py.
     settings.REACH_LOGIN_MAX_FAILURES = 3
-    User.objects.create_user("olga", password="pw-olga-123")
+    reader("olga", password="pw-olga-123")
     for _ in range(2):
         r = client.post("/accounts/login/", {"username": "olga", "password": "wrong"})
         assert r.status_code == 200

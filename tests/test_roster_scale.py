@@ -6,14 +6,13 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from django.contrib.auth.models import User
 from django.db import IntegrityError, connection, transaction
 from django.test import Client
 from django.utils import timezone
 
 from roster import services
 from roster.models import Agent, ClusterNode, Namespace, RosterEvent
-from tests.conftest import later, register
+from tests.conftest import later, reader, register
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
@@ -21,7 +20,7 @@ pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 @pytest.fixture
 def viewer() -> Client:
     client = Client()
-    client.force_login(User.objects.create_user("victor", password="pw-victor-123"))
+    client.force_login(reader("victor", password="pw-victor-123"))
     return client
 
 

@@ -10,7 +10,7 @@ from datetime import timedelta
 from html import unescape
 
 import pytest
-from django.contrib.auth.models import Group, User
+from django.contrib.auth.models import Group
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -22,7 +22,7 @@ from messages.sweeps import deliveries_sweep
 from reachconsole.core import roles
 from roster.models import Agent, ClusterNode, Namespace
 from roster.services import lease_deadlines_repair
-from tests.conftest import logged_in, published, register, staff_user
+from tests.conftest import logged_in, published, reader, register, staff_user
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 MT = protocol.MessageType
@@ -33,7 +33,7 @@ HTMX = {"HX-Request": "true"}
 @pytest.fixture
 def viewer():
     """A member of the viewer group: sees every page, acts on nothing."""
-    user = User.objects.create_user("vera", password="pw-vera-123")
+    user = reader("vera", password="pw-vera-123")
     user.groups.add(Group.objects.get(name=roles.VIEWER))
     return logged_in(user)
 
@@ -293,7 +293,8 @@ PARTIALS = ("/messages/agents/fin.tax/stats/", "/messages/nodes/node-b/stats/",
 
 def test_a_viewer_sees_the_numbers_and_anyone_else_is_refused(client, viewer):
     register("fin.tax", "node-b")
-    nobody = logged_in(staff_user("nora"))
+    # May read the roster and the cluster, not the messages: no numbers.
+    nobody = logged_in(staff_user("nora", "view_agent", "view_clusternode"))
     for path in PARTIALS:
         assert viewer.get(path).status_code == 200, path
         anonymous = client.get(path)

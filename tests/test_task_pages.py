@@ -8,7 +8,7 @@ import io
 import json
 
 import pytest
-from django.contrib.auth.models import Group, User
+from django.contrib.auth.models import Group
 from django.test import Client
 
 from messages.models import Message, Status, Task
@@ -16,13 +16,13 @@ from messages.outbound import SendRequest, message_send
 from reachconsole.core import roles
 from reachconsole.core.models import AuditEntry
 from roster.models import Agent
-from tests.conftest import published, register
+from tests.conftest import published, reader, register
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
 
 def member(username: str, group: str) -> Client:
-    user = User.objects.create_user(username, password=f"pw-{username}-123")
+    user = reader(username, password=f"pw-{username}-123")
     user.groups.add(Group.objects.get(name=group))
     client = Client()
     client.force_login(user)

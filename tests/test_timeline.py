@@ -26,7 +26,7 @@ from messages.selectors import (
     newest_message_id,
     resendable_count,
 )
-from tests.conftest import logged_in, staff_user
+from tests.conftest import logged_in, reader, staff_user
 
 pytestmark = pytest.mark.django_db
 XSS = '<img src=x onerror="window.pwned=1">'
@@ -34,7 +34,7 @@ XSS = '<img src=x onerror="window.pwned=1">'
 
 @pytest.fixture
 def viewer():
-    return logged_in(staff_user("victor"))
+    return logged_in(reader("victor"))
 
 
 @pytest.fixture

@@ -258,7 +258,7 @@ def _login_cookie(stack: Stack) -> str:
     """A signed-in session in the stack's database (its processes all read it)."""
     code = ("from django.contrib.auth.models import User;"
             "from django.test import Client;"
-            "u = User.objects.create_user('topo-' + __import__('uuid').uuid4().hex[:6], "
+            "u = reader('topo-' + __import__('uuid').uuid4().hex[:6], "
             "password='pw-topology-12345');"
             "c = Client(); c.force_login(u); print('SESSION', c.cookies['sessionid'].value)")
     result = subprocess.run([sys.executable, "manage.py", "shell", "-c", code], cwd=ROOT,

@@ -20,7 +20,7 @@ from messages.selectors import task_trace
 from messages.state import LATE_PUBACK, late_pubacks_record
 from messages.sweeps import deliveries_sweep
 from roster import services
-from tests.conftest import logged_in, published, register, staff_user
+from tests.conftest import logged_in, published, reader, register, staff_user
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 MT = protocol.MessageType
@@ -29,7 +29,7 @@ ACK_MS = settings.REACH_ACK_TIMEOUT_MS
 
 @pytest.fixture
 def viewer() -> Client:
-    return logged_in(staff_user("victor"))
+    return logged_in(reader("victor"))
 
 
 

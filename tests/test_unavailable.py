@@ -12,7 +12,6 @@ from contextlib import contextmanager
 
 import pytest
 from asgiref.sync import async_to_sync
-from django.contrib.auth import get_user_model
 from django.db import connection
 from django.http import HttpResponse
 from django.test import AsyncClient, Client
@@ -28,7 +27,7 @@ from reachconsole.unavailable import (
     RETRY_AFTER_S,
     unavailable_reason,
 )
-from tests.conftest import ApiClient
+from tests.conftest import ApiClient, reader
 from tests.mqtt import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -86,7 +85,7 @@ def database_unreachable(tmp_path) -> Iterator[str]:
 @pytest.fixture
 def user_client() -> Client:
     client = Client()
-    client.force_login(get_user_model().objects.create_user("ops", password="pw-123456"))
+    client.force_login(reader("ops", password="pw-123456"))
     return client
 
 

@@ -18,6 +18,7 @@
   var STABLE_MS = 5000;
   // Close codes set by messages/consumers.py.
   var CLOSE_UNAUTHORIZED = 4401;
+  var CLOSE_NO_ROLE = 4403;
 
   var body = document.body;
   var path = body && body.getAttribute("data-stream");
@@ -118,6 +119,11 @@
         // Retrying cannot help: the session ended. Say so rather than loop.
         stopped = true;
         setState("closed", "Signed out: live updates stopped. Sign in again and reload.");
+        return;
+      }
+      if (event.code === CLOSE_NO_ROLE) {
+        stopped = true;
+        setState("closed", "Your account has no role in this console any more: live updates stopped.");
         return;
       }
       // Back to a quick retry only after a socket that lasted: a server that accepts and
