@@ -75,12 +75,16 @@ def seed() -> tuple[str, str]:
     django.setup()
     from django.conf import settings
     from django.contrib.auth import get_user_model
+    from django.contrib.auth.models import Group
     from django.db import connection
     from django.test import Client
 
+    from reachconsole.core.roles import VIEWER
     from roster import services
 
     user, _ = get_user_model().objects.get_or_create(username="bench-reader")
+    # A viewer: an account in no role may not read the pages or the streams.
+    user.groups.add(Group.objects.get(name=VIEWER))
     for i in range(AGENTS):
         services.agent_register(agent_id=f"bench.reader{i}", node_id=f"bench-node-{i % 5}")
     client = Client()

@@ -234,9 +234,14 @@ def session_cookie() -> str:
     """A signed-in user of the bench database, as a browser's cookie."""
     from django.conf import settings
     from django.contrib.auth import get_user_model
+    from django.contrib.auth.models import Group
     from django.test import Client
 
+    from reachconsole.core.roles import VIEWER
+
     user, _ = get_user_model().objects.get_or_create(username="bench-stream")
+    # A viewer: an account in no role may not read the pages or the streams.
+    user.groups.add(Group.objects.get(name=VIEWER))
     client = Client()
     client.force_login(user)
     return f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}"
