@@ -45,6 +45,13 @@ from ingest import (
 NODE = "bench-console"
 
 
+def bridge_id(tag: str, i: int) -> str:
+    """Bridge i's MQTT client id (messages.bridge.client_id_for, console id `tag`)."""
+    from messages.bridge import client_id_for
+
+    return client_id_for(NODE, f"{tag}-{i}", tag)
+
+
 def bridges_start(tag: str, count: int, run_dir: Path) -> list[tuple[subprocess.Popen, object]]:
     procs = []
     for i in range(1, count + 1):
@@ -77,7 +84,7 @@ def bridges_stop(procs) -> None:
 
 def bridges_wait(conn, tag: str, count: int, timeout: float = 60) -> None:
     """Until every bridge reports hearing the bus (connected, subscribed, writing)."""
-    ids = [f"reach-{NODE}-{tag}-{i}"[:64] for i in range(1, count + 1)]
+    ids = [bridge_id(tag, i) for i in range(1, count + 1)]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         (heard,) = conn.execute(
@@ -153,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
                 results.append(measure(conn, tag, count, args, Path(tmp)))
         finally:
             for i in (1, 2):
-                session_discard(f"reach-{NODE}-{tag}-{i}"[:64])
+                session_discard(bridge_id(tag, i))
             conn.execute("DELETE FROM a2a_message WHERE message_id LIKE %s", (f"{tag}%",))
             common.redis_cleanup(tag)
     rows = [[str(r["bridges"]), common.fmt(r["burst"]["stored_per_s"], 0),

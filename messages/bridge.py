@@ -12,6 +12,7 @@ failures this is built around.
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import queue
 import random
@@ -136,9 +137,23 @@ def connection_keep() -> None:
         close_old_connections()
 
 
-def client_id_for(node_id: str, instance: str) -> str:
-    """One fixed id per bridge instance: a persistent session, and two bridges with one id
-    would kick each other off the broker forever."""
+def client_id_for(node_id: str, instance: str, console_id: str = "") -> str:
+    """One fixed id per bridge of one console: a persistent session, and two bridges with one
+    id kick each other off the broker for as long as both run. The console's identity
+    (settings.REACH_CONSOLE_ID, derived from its database) is in it: two consoles on one
+    broker with the default node id were both `reach-console-1`. Kept within 64 characters
+    without cutting the instance off."""
+    console = console_id or settings.REACH_CONSOLE_ID
+    node = node_id or "anon"
+    client_id = f"{console}-{node}-{instance}"
+    if len(client_id) > 64:
+        digest = hashlib.sha256(node.encode()).hexdigest()[:10]
+        client_id = f"{console[:64 - len(instance) - 12]}-{digest}-{instance}"
+    return client_id[:64]
+
+
+def legacy_client_id(node_id: str, instance: str) -> str:
+    """The id bridges had before the console's identity was in it (see client_id_for)."""
     return f"reach-{node_id or 'anon'}-{instance}"[:64]
 
 
@@ -146,13 +161,16 @@ class Bridge:
     def __init__(self, *, url: str, node_id: str, prefix: str, instance: str = "1",
                  protocol_version: str = "5", monitor: bool = True,
                  session_expiry_s: int = 3600, max_queued: int = 10000, batch: int = 500,
-                 heartbeat_ms: int = 5000, share_group: str = "", ingest: str = "auto"):
+                 heartbeat_ms: int = 5000, share_group: str = "", ingest: str = "auto",
+                 console_id: str = ""):
         # TLS and credentials come with the URL and the settings (messages/mqtt_client.py).
         self.target = broker_target(url, protocol=protocol_version)
         self.url = self.target.display  # never the password: this one is logged
         self.node_id = node_id
         self.prefix = prefix
-        self.client_id = client_id_for(node_id, instance)
+        self.instance = instance
+        self.client_id = client_id_for(node_id, instance, console_id)
+        self._short_lives = 0  # connections in a row the broker closed within seconds
         self.v5 = protocol_version == "5"
         self.monitor = monitor
         self.session_expiry_s = session_expiry_s
@@ -239,6 +257,8 @@ class Bridge:
         # Used only if the broker cannot share subscriptions (decided on each CONNACK).
         self._ingest_lock = IngestLock(name=self.share_group)
         self._register_local_agents()
+        threading.Thread(target=self._legacy_session_end, name="mqtt-legacy-session",
+                         daemon=True).start()
         if self.v5:
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = self.session_expiry_s
@@ -523,14 +543,50 @@ class Bridge:
             self._ingest_mode_decide()
             self._sync_subscriptions(client, then_listen=True)
 
+    def _legacy_session_end(self) -> None:
+        """End the persistent session an earlier version left under the id it used then
+        (`legacy_client_id`): left alone, it would keep its subscriptions, and with them a
+        share of the console's messages queued where no bridge reads them, until it
+        expires. Connecting once with a clean start ends it; a broker that cannot be
+        reached now is tried again at the next start."""
+        legacy = legacy_client_id(self.node_id, self.instance)
+        if legacy == self.client_id:
+            return
+        client = mqtt_client(target=self.target, client_id=legacy, clean_session=True)
+        answered = threading.Event()
+        client.on_connect = lambda *args: answered.set()
+        try:
+            if self.v5:
+                props = Properties(PacketTypes.CONNECT)
+                props.SessionExpiryInterval = 0
+                client.connect(self.target.host, self.target.port, keepalive=10,
+                               clean_start=True, properties=props)
+            else:
+                client.connect(self.target.host, self.target.port, keepalive=10)
+            client.loop_start()
+            if answered.wait(5):
+                log.info("ended any MQTT session left under the earlier client id %s "
+                         "(this bridge is %s now)", legacy, self.client_id)
+            client.disconnect()
+            client.loop_stop()
+        except (OSError, ValueError, mqtt.WebsocketConnectionError) as exc:
+            log.debug("could not end the session of %s now: %s", legacy, exc)
+
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         was_connected = self.connected.is_set()
         self.connected.clear()
         self.listening.clear()
-        if reason_code == 142:  # MQTT 5 "session taken over"
-            log.error("another client took over the MQTT session %s: give each bridge its own "
-                      "REACH_BRIDGE_INSTANCE", self.client_id)
-        elif not self._stop.is_set() and was_connected:
+        # Closed within seconds of every CONNACK: what a broker does to the older of two
+        # clients with one id, saying why only in MQTT 5 (142) and not always then.
+        lasted = time.monotonic() - self._connected_at if was_connected else None
+        self._short_lives = self._short_lives + 1 if lasted is not None and lasted < 5 else 0
+        if reason_code == 142 or self._short_lives == 3:  # 142: MQTT 5 "session taken over"
+            log.error("another client with this id took over the MQTT session %s%s: two "
+                      "consoles (or two bridges) share REACH_CONSOLE_ID, REACH_NODE_ID and "
+                      "REACH_BRIDGE_INSTANCE; give each bridge its own", self.client_id,
+                      "" if reason_code == 142 else
+                      " (the broker closed it within seconds of each of its last 3 connects)")
+        if reason_code != 142 and not self._stop.is_set() and was_connected:
             # Only a lost connection: a refused CONNECT was said (once) by _on_connect.
             log.warning("MQTT bridge disconnected (%s); paho reconnects", reason_code)
             self._caps_record(connected=False)

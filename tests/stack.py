@@ -49,8 +49,18 @@ DB_NAME = "reach"
 TEMPLATE_DB = "reach_template"
 APP_PROCESSES = ("daphne", "worker", "beat")
 SERVICES = ("postgres", "redis", "mosquitto")
-# The console's bridge client id with the default REACH_BRIDGE_INSTANCE (messages.bridge).
-BRIDGE_CLIENT_IDS = ("reach-console-1",)
+# The stack's console identity, fixed so that its bridges' client ids are known here.
+STACK_CONSOLE_ID = "reach-stack"
+
+
+def bridge_client_id(instance: str = "1") -> str:
+    """A bridge's MQTT client id in the stack (messages.bridge.client_id_for)."""
+    return f"{STACK_CONSOLE_ID}-console-{instance}"
+
+
+# The console's bridge client ids with the default REACH_BRIDGE_INSTANCE (and those of the
+# version before the console's identity was in them), whose sessions a new run ends.
+BRIDGE_CLIENT_IDS = (bridge_client_id("1"), "reach-console-1")
 # Variables of the test process that must not leak into the stack's processes (CI's second
 # run points these at the shared services).
 _STRIPPED_ENV = re.compile(r"^(REACH_|DJANGO_|MQTT_|DATABASE_URL$|REDIS_URL$|CELERY_)")
@@ -204,6 +214,7 @@ class Stack:
             MQTT_URL=self.mqtt_url,
             MQTT_TOPIC_PREFIX=self.prefix or "fr-migrate",
             REACH_NODE_ID="console",
+            REACH_CONSOLE_ID=STACK_CONSOLE_ID,
             REACH_SERVICE_TOKENS=self.token,
             DJANGO_SECRET_KEY=self.secret_key,
             REACH_RUN_DIR=str(self.run_dir),

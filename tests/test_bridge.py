@@ -452,3 +452,64 @@ def test_the_owner_keeps_its_connection_until_it_fails():
     thread.start()
     thread.join(30)
     assert seen == {"kept": True, "dropped": True, "works": True}
+
+
+def test_two_consoles_on_one_broker_keep_their_own_sessions(mqtt_settings, caplog):
+    """Two consoles with separate databases and the default node id were both
+    `reach-console-1`: they took each other's session every second, and the log said only
+    "disconnected (Unspecified error)"."""
+    import logging
+
+    from messages.bridge import client_id_for, legacy_client_id
+
+    bridges = [Bridge(url=settings.MQTT_URL, node_id="console", console_id=console,
+                      prefix=f"{settings.MQTT_TOPIC_PREFIX}{n}", instance="1",
+                      protocol_version=settings.MQTT_PROTOCOL)
+               for n, console in enumerate(("reach-aaaaaaaaaaaa", "reach-bbbbbbbbbbbb"))]
+    assert [b.client_id for b in bridges] == ["reach-aaaaaaaaaaaa-console-1",
+                                              "reach-bbbbbbbbbbbb-console-1"]
+    # Long node ids keep the instance: two bridges of one console never share an id.
+    long_ids = {client_id_for("n" * 100, str(i), "reach-cccccccccccc") for i in (1, 2)}
+    assert len(long_ids) == 2 and all(len(i) <= 64 and i.endswith(("-1", "-2"))
+                                      for i in long_ids)
+    with caplog.at_level(logging.INFO, logger="messages.bridge"):
+        for bridge in bridges:
+            bridge.start()
+        try:
+            assert all(b.wait_connected(10) for b in bridges)
+            # Each ends the session its console's earlier version left under the old id.
+            deadline = time.monotonic() + 10
+            while "earlier client id reach-console-1" not in caplog.text:
+                assert time.monotonic() < deadline, caplog.text
+                time.sleep(0.1)
+            time.sleep(3)  # several of the old clash's rounds: each bridge stays connected
+            assert [b.generation for b in bridges] == [1, 1]
+            assert all(b.connected.is_set() for b in bridges)
+        finally:
+            for bridge in bridges:
+                bridge.stop()
+    assert legacy_client_id("console", "1") == "reach-console-1"
+    assert "took over" not in caplog.text
+
+
+def test_a_broker_that_closes_each_connection_at_once_is_said_to_have_another_client():
+    """MQTT 3.1.1 brokers close the older of two clients with one id without a reason."""
+    import logging
+
+    bridge = Bridge(url="mqtt://127.0.0.1:1", node_id="console", prefix="p", instance="x",
+                    console_id="reach-dddddddddddd")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("messages.bridge")
+    logger.addHandler(handler)
+    try:
+        for _ in range(3):
+            bridge.connected.set()
+            bridge._connected_at = time.monotonic()  # connected just now, as on a CONNACK
+            bridge._on_disconnect(None, None, None, 7, None)
+    finally:
+        logger.removeHandler(handler)
+    said = [r.getMessage() for r in records if r.levelno == logging.ERROR]
+    assert len(said) == 1 and "another client with this id took over" in said[0]
+    assert "reach-dddddddddddd-console-x" in said[0]

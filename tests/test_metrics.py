@@ -21,6 +21,7 @@ from django.db.models import Count, F
 from prometheus_client.parser import text_string_to_metric_families
 
 from messages import protocol
+from messages.bridge import client_id_for
 from messages.models import Direction, Message, Status, Transition
 from messages.outbound import SendRequest, messages_send
 from reachconsole.core.metrics import (
@@ -242,7 +243,7 @@ def test_a_count_is_made_once_and_every_process_shows_it(mqtt_settings, broker, 
            "MQTT_TOPIC_PREFIX": settings.MQTT_TOPIC_PREFIX, "REACH_NODE_ID": "console",
            "REACH_BRIDGE_INSTANCE": instance, "REACH_RUN_DIR": str(tmp_path),
            "PYTHONUNBUFFERED": "1"}
-    client_id = f"reach-console-{instance}"
+    client_id = client_id_for("console", instance, settings.REACH_CONSOLE_ID)
     log = open(tmp_path / "processes.log", "w+")  # noqa: SIM115 - closed below
     bridge_proc = _start([sys.executable, "manage.py", "mqtt_bridge"], env, log)
     daphne = _start([str(Path(sys.executable).parent / "daphne"), "-b", "127.0.0.1", "-p",

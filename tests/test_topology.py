@@ -41,7 +41,16 @@ from messages import protocol
 from tests.conftest import expect_real_services
 from tests.fakenode import FakeNode
 from tests.mqtt import free_port
-from tests.stack import HOST, ROOT, Stack, StackError, _port_open, _wait, find_binaries
+from tests.stack import (
+    HOST,
+    ROOT,
+    Stack,
+    StackError,
+    _port_open,
+    _wait,
+    bridge_client_id,
+    find_binaries,
+)
 
 ENABLED = expect_real_services() or os.environ.get("REACH_FAULT_RUNS") == "1"
 pytestmark = [
@@ -245,21 +254,22 @@ def test_n_messages_from_a_node_are_n_rows_and_both_bridges_stored_some(stack, p
     def split():
         after = _ingested(stack)
         got = {i: after.get(i, 0) - before.get(i, 0)
-               for i in ("reach-console-1", "reach-console-2")}
+               for i in (bridge_client_id("1"), bridge_client_id("2"))}
         return got if sum(got.values()) >= 2000 else None
 
     got = _wait(split, 15, "the bridges' counters flushed")
-    assert got["reach-console-1"] > 0 and got["reach-console-2"] > 0, got
+    assert got[bridge_client_id("1")] > 0 and got[bridge_client_id("2")] > 0, got
     # Each message stored by one bridge: the counts add up to the burst, not twice it.
     assert sum(got.values()) == 2000, got
 
 
 def _login_cookie(stack: Stack) -> str:
     """A signed-in session in the stack's database (its processes all read it)."""
-    code = ("from django.contrib.auth.models import User;"
+    code = ("from django.contrib.auth.models import Group, User;"
             "from django.test import Client;"
-            "u = reader('topo-' + __import__('uuid').uuid4().hex[:6], "
+            "u = User.objects.create_user('topo-' + __import__('uuid').uuid4().hex[:6], "
             "password='pw-topology-12345');"
+            "u.groups.add(Group.objects.get(name='viewer'));"
             "c = Client(); c.force_login(u); print('SESSION', c.cookies['sessionid'].value)")
     result = subprocess.run([sys.executable, "manage.py", "shell", "-c", code], cwd=ROOT,
                             env=stack.env(), capture_output=True, text=True, timeout=60)
@@ -317,7 +327,7 @@ def test_an_event_either_worker_ingests_reaches_a_socket_on_either_daphne(stack,
         after = _wait(lambda: (a := _ingested(stack)) and sum(a.values()) - sum(
             before.values()) >= 200 and a, 15, "the bridges' counters flushed")
         # Both workers stored some of these: events from each crossed to both Daphnes.
-        for instance in ("reach-console-1", "reach-console-2"):
+        for instance in (bridge_client_id("1"), bridge_client_id("2")):
             assert after.get(instance, 0) > before.get(instance, 0), (instance, before, after)
     finally:
         for sock in sockets:
