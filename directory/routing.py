@@ -61,7 +61,9 @@ def caller_region(from_agent_id: str | None) -> str | None:
 def route_capability(*, capability: str, from_agent_id: str | None = None,
                      exclude: Iterable[str] = (), unacked: UnackedCounts | None = None,
                      within: Iterable[str] | None = None,
-                     now: datetime | None = None) -> Resolution:
+                     now: datetime | None = None, preview: bool = False) -> Resolution:
+    """`preview`: what routing would do, for a page; it takes no round-robin turn, so
+    looking never changes which agent the next real send goes to."""
     now = now or timezone.now()
     namespace = namespace_of(from_agent_id)
     excluded = set(exclude)
@@ -106,7 +108,7 @@ def route_capability(*, capability: str, from_agent_id: str | None = None,
                           f"capability {capability}: no live agent can take work now",
                           candidates, outcome="not_deliverable", match="capability")
     tied = [c for c in live if rank(c) == rank(live[0])]
-    best = tied[_next_turn(f"cap:{capability}") % len(tied)]
+    best = tied[0 if preview else _next_turn(f"cap:{capability}") % len(tied)]
     why = "least loaded" + (f", round-robin among {len(tied)}" if len(tied) > 1 else "")
     chosen = Candidate(best.agent_id, best.node_id, best.status, True, why, best.namespace,
                        best.load, chosen=True)

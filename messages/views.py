@@ -20,7 +20,7 @@ from django.utils.http import urlencode
 from django.views.decorators.http import require_GET, require_POST
 from django.views.decorators.vary import vary_on_headers
 
-from directory.routing import route_capability
+from directory.routing import namespace_of, route_capability
 from messages.ledger import AGENT, ANSWER_BUCKETS_S, NODE
 from messages.models import CANCELABLE_STATUSES, FAILURE_STATUSES, Direction, Message, Status
 from messages.outbound import messages_resend
@@ -289,6 +289,24 @@ def resent_words(resent: int, rows: list[Message]) -> tuple[int, str]:
     return (flash.ERROR if not gone else flash.WARNING), words
 
 
+def _coverage(capability: str, agent_id: str) -> dict:
+    """Who else takes `capability` once `agent_id` drains, as routing will decide it
+    (directory/routing.py): for callers in the agent's own namespace (it and the open
+    namespaces), and for every other caller (an API send naming no agent, or agents of
+    other namespaces, which reach namespaces that are open to them). A preview: it takes
+    no round-robin turn."""
+    namespace = namespace_of(agent_id)
+    near = route_capability(capability=capability, from_agent_id=agent_id,
+                            exclude=[agent_id], preview=True)
+    anywhere = route_capability(capability=capability, exclude=[agent_id], preview=True)
+    others = [c for c in anywhere.candidates if c.agent_id != agent_id]
+    live_near = [c for c in near.candidates if c.agent_id != agent_id and c.routable]
+    near_ids = {c.agent_id for c in live_near}
+    return {"capability": capability, "namespace": namespace, "others": others,
+            "live": live_near,
+            "elsewhere": [c for c in others if c.routable and c.agent_id not in near_ids]}
+
+
 @require_GET
 @login_required
 def agent_load(request: HttpRequest, agent_id: str) -> HttpResponse:
@@ -310,13 +328,7 @@ def agent_load(request: HttpRequest, agent_id: str) -> HttpResponse:
         "busy": sends.filter(status=Status.BUSY,
                              created_at__gte=now - timedelta(hours=1)).count(),
     }
-    coverage = []
-    for capability in agent.capabilities:
-        routed = route_capability(capability=capability, from_agent_id=agent_id,
-                                  exclude=[agent_id])
-        others = [c for c in routed.candidates if c.agent_id != agent_id]
-        coverage.append({"capability": capability, "others": others,
-                         "live": [c for c in others if c.routable]})
+    coverage = [_coverage(capability, agent_id) for capability in agent.capabilities]
     return render(request, "messages/_agent_load.html", {
         "agent": agent, "counts": counts, "coverage": coverage, "load": load,
         "load_meaning": LOAD_MEANING, "now": now,

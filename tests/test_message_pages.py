@@ -137,6 +137,36 @@ def test_the_agent_load_shows_inflight_held_and_coverage(viewer):
     assert "draining: it takes no new work" in again
 
 
+def test_the_drain_preview_says_what_is_covered_where_and_takes_no_routing_turn(viewer):
+    """`/agents/fin.bank-statement/` said draining leaves `bank-statement` uncovered while
+    `llm.bank-statement` was ONLINE and took the next capability send; and each look at the
+    page advanced the routing round robin."""
+    from directory import routing
+
+    register("fin.bank-statement", "node-a", capabilities=["bank-statement", "ledger"])
+    register("llm.bank-statement", "node-b", capabilities=["bank-statement"])
+    register("fin.ledger-a", "node-a", capabilities=["ledger"])
+    register("fin.ledger-b", "node-b", capabilities=["ledger"])
+    turns = {key: repr(routing._turns.get(key)) for key in ("cap:bank-statement",
+                                                              "cap:ledger")}
+    for _ in range(3):
+        html = viewer.get("/messages/agents/fin.bank-statement/load/").content.decode()
+    item = html[html.index('data-capability="bank-statement"'):]
+    item = item[:item.index("</li>")]
+    assert "uncovered" not in item and 'data-covered="elsewhere"' in item
+    assert "llm.bank-statement on node-b takes it for API sends and callers outside " \
+           "namespace fin" in item
+    assert "their sends to capability:bank-statement end UNDELIVERABLE" in item
+    ledger = html[html.index('data-capability="ledger"'):]
+    assert "fin.ledger-a on node-a, fin.ledger-b on node-b" in ledger[:ledger.index("</li>")]
+    # Looking took no turn: the next real sends go where they would have gone.
+    assert {key: repr(routing._turns.get(key)) for key in turns} == turns
+    # What the page said is what routing does: an API send reaches the other namespace.
+    services.agent_drain(agent_id="fin.bank-statement")
+    sent = message_send(request=SendRequest(to="capability:bank-statement"))
+    assert sent.to_agent_id == "llm.bank-statement"
+
+
 def test_the_timeline_shows_untrusted_text_as_text(viewer):
     row = Message.objects.create(message_id="m-xss", task_id=XSS, message_type="TASK_REQUEST",
                                  direction="RECV", status="RECV", from_agent_id=XSS,
