@@ -2,27 +2,29 @@ from django import forms
 from django.contrib import admin, messages
 
 from directory import aliases
-from directory.errors import DirectoryError
+from directory.errors import ALIAS_NOT_REGISTERED, DirectoryError
 from directory.models import Alias, ProcessDefinitionBinding, ProcessInstance, SceneBinding
 from reachconsole.core.errors import ConsoleError
 
 
 class AliasForm(forms.ModelForm):
+    """The namespace is not asked for: it can only be the agent's, and follows its id."""
+
     class Meta:
         model = Alias
-        fields = ["alias", "agent_id", "namespace"]
+        fields = ["alias", "agent_id"]
 
     # Which field a refusal belongs to, by its code; the rest go on the alias.
-    FIELD_OF = {"invalid_agent_id": "agent_id", "alias_other_namespace": "namespace"}
+    FIELD_OF = {"invalid_agent_id": "agent_id", "alias_no_namespace": "agent_id"}
 
     def clean(self) -> dict:
         cleaned = super().clean()
-        if any(cleaned.get(key) in (None, "") for key in self.Meta.fields):
+        # Not Meta.fields: the admin's own form class lists the read-only namespace there too.
+        if any(cleaned.get(key) in (None, "") for key in ("alias", "agent_id")):
             return cleaned  # a missing field has its own error already
         try:
             checked = aliases.alias_check(
-                alias=cleaned["alias"], agent_id=cleaned["agent_id"],
-                namespace=cleaned["namespace"], alias_id=self.instance.pk,
+                alias=cleaned["alias"], agent_id=cleaned["agent_id"], alias_id=self.instance.pk,
             )
         except ConsoleError as exc:
             self.add_error(self.FIELD_OF.get(exc.code, "alias"),
@@ -43,16 +45,22 @@ class AliasAdmin(admin.ModelAdmin):
     search_fields = ["alias", "agent_id"]
     list_select_related = ["namespace"]
 
+    readonly_fields = ["namespace"]
+
     def save_model(self, request, obj, form, change) -> None:
         data, actor = form.cleaned_data, request.user.get_username()
         if change:
-            aliases.alias_update(alias_id=obj.pk, alias=data["alias"], agent_id=data["agent_id"],
-                                 namespace=data["namespace"], actor=actor)
-            return
-        created = aliases.alias_create(alias=data["alias"], agent_id=data["agent_id"],
-                                       namespace=data["namespace"], actor=actor)
-        # The admin goes on with `obj` (its history, the redirect): make it the stored row.
-        obj.pk, obj.created_at, obj._state.adding = created.pk, created.created_at, False
+            saved, fields = aliases.alias_update(alias_id=obj.pk, alias=data["alias"],
+                                                 agent_id=data["agent_id"], actor=actor)
+        else:
+            saved, fields = aliases.alias_create(alias=data["alias"],
+                                                 agent_id=data["agent_id"], actor=actor)
+            # The admin goes on with `obj` (its history, the redirect): the stored row.
+            obj.pk, obj.created_at, obj._state.adding = saved.pk, saved.created_at, False
+        obj.namespace = saved.namespace
+        if not fields.registered:
+            self.message_user(request, ALIAS_NOT_REGISTERED.format(
+                agent_id=fields.agent_id, alias=fields.alias), messages.WARNING)
 
     def delete_model(self, request, obj) -> None:
         aliases.alias_delete(alias_id=obj.pk, actor=request.user.get_username())

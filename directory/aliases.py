@@ -2,8 +2,11 @@
 whoever writes it, and each change is audited in its own transaction.
 
 An alias is what people type after @ (`@资金日报`) for one agent. It lives in the namespace
-of the agent it names, unique there; it may name an agent that is not registered yet (the
-resolver then says so: directory/resolver.py).
+of the agent it names (taken from the agent id), unique there. It may name an agent that is
+not registered yet, so that aliases can be set up before a deployment starts its agents;
+the writer is then told so (`AliasFields.registered`, a warning in the admin, a note in the
+audit), and the resolver says so when someone uses it (directory/resolver.py). A typo is
+seen at once rather than at the first mention.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from directory import errors
 from directory.errors import AliasNotFound, AliasTaken, InvalidAlias
 from directory.models import Alias, alias_normalize
 from reachconsole.core.audit import audit_record
-from roster.models import Namespace
+from roster.models import Agent, Namespace
 from roster.services import agent_id_parse
 
 ALIAS_MAX = Alias._meta.get_field("alias").max_length
@@ -29,13 +32,14 @@ class AliasFields:
     alias: str
     agent_id: str
     namespace: Namespace
+    registered: bool  # whether the agent it names is on the roster now
 
 
-def alias_check(*, alias: Any, agent_id: Any, namespace: Namespace,
+def alias_check(*, alias: Any, agent_id: Any, namespace: Namespace | None = None,
                 alias_id: int | None = None) -> AliasFields:
-    """The alias as it is stored (no leading @, the agent id in its dotted form), or a
-    refusal with words: InvalidAlias, InvalidAgentId (the roster's rule for agent ids) or
-    AliasTaken."""
+    """The alias as it is stored (no leading @, the agent id in its dotted form, the agent's
+    namespace), or a refusal with words: InvalidAlias, InvalidAgentId (the roster's rule for
+    agent ids) or AliasTaken. `namespace`, when given, must be the agent's."""
     text = alias_normalize(alias if isinstance(alias, str) else "")
     if not text:
         raise InvalidAlias(errors.ALIAS_EMPTY)
@@ -44,6 +48,11 @@ def alias_check(*, alias: Any, agent_id: Any, namespace: Namespace,
     if any(unicodedata.category(ch) == "Cc" for ch in text):
         raise InvalidAlias(errors.ALIAS_CONTROL)
     ref = agent_id_parse(agent_id)
+    if namespace is None:
+        namespace = Namespace.objects.filter(name=ref.namespace).first()
+        if namespace is None:
+            raise InvalidAlias(errors.ALIAS_NO_NAMESPACE.format(
+                agent_id=ref.agent_id, namespace=ref.namespace), code="alias_no_namespace")
     if ref.namespace != namespace.name:
         raise InvalidAlias(errors.ALIAS_OTHER_NAMESPACE.format(
             agent_id=ref.agent_id, namespace=namespace.name, agent_namespace=ref.namespace),
@@ -53,7 +62,12 @@ def alias_check(*, alias: Any, agent_id: Any, namespace: Namespace,
     if taken is not None:
         raise AliasTaken(errors.ALIAS_TAKEN.format(alias=text, agent_id=taken,
                                                    namespace=namespace.name))
-    return AliasFields(alias=text, agent_id=ref.agent_id, namespace=namespace)
+    return AliasFields(alias=text, agent_id=ref.agent_id, namespace=namespace,
+                       registered=Agent.objects.filter(agent_id=ref.agent_id).exists())
+
+
+def _named(fields: AliasFields) -> str:
+    return f"→ {fields.agent_id}" + ("" if fields.registered else " (not on the roster)")
 
 
 def _target(alias: Alias) -> str:
@@ -66,21 +80,23 @@ def _taken(fields: AliasFields) -> AliasTaken:
                                                 namespace=fields.namespace.name))
 
 
-def alias_create(*, alias: Any, agent_id: Any, namespace: Namespace, actor: str) -> Alias:
+def alias_create(*, alias: Any, agent_id: Any, actor: str,
+                 namespace: Namespace | None = None) -> tuple[Alias, AliasFields]:
+    """The stored alias, and what was checked (`registered`: say so when it is not)."""
     fields = alias_check(alias=alias, agent_id=agent_id, namespace=namespace)
     try:
         with transaction.atomic():
             row = Alias.objects.create(alias=fields.alias, agent_id=fields.agent_id,
                                        namespace=fields.namespace)
             audit_record(actor=actor, action="alias_create", target=_target(row),
-                         detail=f"→ {row.agent_id}")
+                         detail=_named(fields))
     except IntegrityError:
         raise _taken(fields) from None
-    return row
+    return row, fields
 
 
-def alias_update(*, alias_id: int, alias: Any, agent_id: Any, namespace: Namespace,
-                 actor: str) -> Alias:
+def alias_update(*, alias_id: int, alias: Any, agent_id: Any, actor: str,
+                 namespace: Namespace | None = None) -> tuple[Alias, AliasFields]:
     fields = alias_check(alias=alias, agent_id=agent_id, namespace=namespace, alias_id=alias_id)
     try:
         with transaction.atomic():
@@ -98,11 +114,13 @@ def alias_update(*, alias_id: int, alias: Any, agent_id: Any, namespace: Namespa
                 row.alias, row.agent_id, row.namespace = (fields.alias, fields.agent_id,
                                                           fields.namespace)
                 row.save(update_fields=["alias", "agent_id", "namespace"])
+                if not fields.registered:
+                    changes.append(f"{fields.agent_id} is not on the roster")
                 audit_record(actor=actor, action="alias_update", target=_target(row),
                              detail="; ".join(changes))
     except IntegrityError:
         raise _taken(fields) from None
-    return row
+    return row, fields
 
 
 def alias_delete(*, alias_id: int, actor: str) -> None:

@@ -39,5 +39,14 @@ ALIAS_OTHER_NAMESPACE = (
     "{agent_id} is not in namespace {namespace}; an alias lives in the namespace of the agent "
     "it names: choose namespace {agent_namespace}"
 )
+ALIAS_NO_NAMESPACE = (
+    "namespace {namespace} of {agent_id} does not exist yet: it is made when its first agent "
+    "registers, or add it under Namespaces; an alias lives in the namespace of the agent it "
+    "names"
+)
+ALIAS_NOT_REGISTERED = (
+    "Saved, but no agent {agent_id} is on the roster: @{alias} resolves to nothing until it "
+    "registers. If it should be there, check the spelling."
+)
 ALIAS_TAKEN = "@{alias} already names {agent_id} in namespace {namespace}"
 ALIAS_NOT_FOUND = "alias {alias_id} does not exist (removed meanwhile?)"

@@ -110,9 +110,8 @@ def test_an_invalid_alias_is_refused_with_the_form_error(staff):
         ({"alias": "tax\nday", "agent_id": "fin.tax"}, directory_errors.ALIAS_CONTROL),
         ({"alias": "税", "agent_id": "fin tax"},
          roster_errors.AGENT_ID_INVALID.format(raw="fin tax", help=roster_errors.AGENT_ID_HELP)),
-        ({"alias": "税", "agent_id": "ops.tax"},
-         directory_errors.ALIAS_OTHER_NAMESPACE.format(
-            agent_id="ops.tax", namespace="fin", agent_namespace="ops")),
+        ({"alias": "税", "agent_id": "hr.tax"},
+         directory_errors.ALIAS_NO_NAMESPACE.format(agent_id="hr.tax", namespace="hr")),
     ]
     for fields, words in cases:
         r = staff.post("/admin/directory/alias/add/", {**fields, "namespace": ns.pk})
@@ -134,7 +133,9 @@ def test_a_duplicate_alias_is_refused_with_words(staff):
 
 
 def test_a_valid_alias_edit_is_audited(staff):
-    ns = Namespace.objects.create(name="fin")
+    register("fin.tax", "node-a")
+    register("fin.bank-statement", "node-a")
+    ns = Namespace.objects.get(name="fin")
     r = staff.post("/admin/directory/alias/add/", {"alias": "@资金日报", "agent_id": "fin/tax",
                                                     "namespace": ns.pk})
     assert r.status_code == 302
@@ -151,6 +152,32 @@ def test_a_valid_alias_edit_is_audited(staff):
             + audit_rows("alias_delete")] == [
         ("sam", "fin:资金日报", "ok"), ("sam", "fin:资金日报", "ok"), ("sam", "fin:资金日报", "ok")]
     assert audit_rows("alias_update")[0][3] == "agent_id fin.tax → fin.bank-statement"
+
+
+def test_an_alias_takes_its_agents_namespace_and_says_when_the_agent_is_not_registered(
+        staff):
+    """The admin saved `nobody → fin.nosuchagent` without a word and the audit said ok; its
+    Namespace field was required although it can only be the agent's."""
+    Namespace.objects.create(name="fin")
+    form = staff.get("/admin/directory/alias/add/").content.decode()
+    assert 'name="namespace"' not in form
+    r = staff.post("/admin/directory/alias/add/", {"alias": "nobody",
+                                                    "agent_id": "fin.nosuchagent"},
+                   follow=True)
+    assert r.status_code == 200
+    assert escape(directory_errors.ALIAS_NOT_REGISTERED.format(
+        agent_id="fin.nosuchagent", alias="nobody")) in r.content.decode()
+    alias = Alias.objects.get()
+    assert (alias.alias, alias.agent_id, alias.namespace.name) == (
+        "nobody", "fin.nosuchagent", "fin")
+    assert audit_rows("alias_create") == [
+        ("sam", "fin:nobody", "ok", "→ fin.nosuchagent (not on the roster)")]
+    register("fin.tax", "node-a")
+    r = staff.post("/admin/directory/alias/add/", {"alias": "税", "agent_id": "fin.tax"},
+                   follow=True)
+    assert "is on the roster" not in r.content.decode() and "resolves to nothing" not in \
+        r.content.decode()
+    assert audit_rows("alias_create")[-1][3] == "→ fin.tax"
 
 
 def test_registration_only_fields_of_an_agent_are_read_only(staff):
