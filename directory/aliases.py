@@ -35,11 +35,10 @@ class AliasFields:
     registered: bool  # whether the agent it names is on the roster now
 
 
-def alias_check(*, alias: Any, agent_id: Any, namespace: Namespace | None = None,
-                alias_id: int | None = None) -> AliasFields:
+def alias_check(*, alias: Any, agent_id: Any, alias_id: int | None = None) -> AliasFields:
     """The alias as it is stored (no leading @, the agent id in its dotted form, the agent's
     namespace), or a refusal with words: InvalidAlias, InvalidAgentId (the roster's rule for
-    agent ids) or AliasTaken. `namespace`, when given, must be the agent's."""
+    agent ids) or AliasTaken."""
     text = alias_normalize(alias if isinstance(alias, str) else "")
     if not text:
         raise InvalidAlias(errors.ALIAS_EMPTY)
@@ -48,15 +47,10 @@ def alias_check(*, alias: Any, agent_id: Any, namespace: Namespace | None = None
     if any(unicodedata.category(ch) == "Cc" for ch in text):
         raise InvalidAlias(errors.ALIAS_CONTROL)
     ref = agent_id_parse(agent_id)
+    namespace = Namespace.objects.filter(name=ref.namespace).first()
     if namespace is None:
-        namespace = Namespace.objects.filter(name=ref.namespace).first()
-        if namespace is None:
-            raise InvalidAlias(errors.ALIAS_NO_NAMESPACE.format(
-                agent_id=ref.agent_id, namespace=ref.namespace), code="alias_no_namespace")
-    if ref.namespace != namespace.name:
-        raise InvalidAlias(errors.ALIAS_OTHER_NAMESPACE.format(
-            agent_id=ref.agent_id, namespace=namespace.name, agent_namespace=ref.namespace),
-            code="alias_other_namespace")
+        raise InvalidAlias(errors.ALIAS_NO_NAMESPACE.format(
+            agent_id=ref.agent_id, namespace=ref.namespace), code="alias_no_namespace")
     taken = (Alias.objects.filter(namespace=namespace, alias=text).exclude(pk=alias_id)
              .values_list("agent_id", flat=True).first())
     if taken is not None:
@@ -80,10 +74,9 @@ def _taken(fields: AliasFields) -> AliasTaken:
                                                 namespace=fields.namespace.name))
 
 
-def alias_create(*, alias: Any, agent_id: Any, actor: str,
-                 namespace: Namespace | None = None) -> tuple[Alias, AliasFields]:
+def alias_create(*, alias: Any, agent_id: Any, actor: str) -> tuple[Alias, AliasFields]:
     """The stored alias, and what was checked (`registered`: say so when it is not)."""
-    fields = alias_check(alias=alias, agent_id=agent_id, namespace=namespace)
+    fields = alias_check(alias=alias, agent_id=agent_id)
     try:
         with transaction.atomic():
             row = Alias.objects.create(alias=fields.alias, agent_id=fields.agent_id,
@@ -95,9 +88,9 @@ def alias_create(*, alias: Any, agent_id: Any, actor: str,
     return row, fields
 
 
-def alias_update(*, alias_id: int, alias: Any, agent_id: Any, actor: str,
-                 namespace: Namespace | None = None) -> tuple[Alias, AliasFields]:
-    fields = alias_check(alias=alias, agent_id=agent_id, namespace=namespace, alias_id=alias_id)
+def alias_update(*, alias_id: int, alias: Any, agent_id: Any, actor: str
+                 ) -> tuple[Alias, AliasFields]:
+    fields = alias_check(alias=alias, agent_id=agent_id, alias_id=alias_id)
     try:
         with transaction.atomic():
             row = (Alias.objects.select_for_update(of=("self",)).select_related("namespace")

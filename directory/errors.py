@@ -35,10 +35,6 @@ ALIAS_CONTROL = (
     "an alias is what people type after @: it may not contain line breaks, tabs or other "
     "control characters"
 )
-ALIAS_OTHER_NAMESPACE = (
-    "{agent_id} is not in namespace {namespace}; an alias lives in the namespace of the agent "
-    "it names: choose namespace {agent_namespace}"
-)
 ALIAS_NO_NAMESPACE = (
     "namespace {namespace} of {agent_id} does not exist yet: it is made when its first agent "
     "registers, or add it under Namespaces; an alias lives in the namespace of the agent it "

@@ -98,7 +98,8 @@ class ClusterNode(models.Model):
     heartbeat_ms = models.PositiveIntegerField(null=True, blank=True)
     retired = models.BooleanField(default=False, help_text="Taken out of service by an operator")
     created_at = models.DateTimeField(default=timezone.now, editable=False)
-    # Written by reconciliation only; routing reads them (a STALE node's agents get no work).
+    # Written by reconciliation, and by the node sweep when a heard node falls silent
+    # (roster/services.py nodes_sweep); routing reads them (a STALE node's agents get no work).
     consistency = models.CharField(max_length=8, choices=Consistency.choices,
                                    default=Consistency.UNKNOWN, editable=False)
     consistency_reason = models.CharField(max_length=300, blank=True, editable=False)
