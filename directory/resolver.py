@@ -38,7 +38,7 @@ from directory.models import (
     SceneBinding,
     alias_normalize,
 )
-from roster.hearing import bus_heard_since
+from roster.hearing import bus_hearing
 from roster.models import (
     CONSOLE_AGENTS,
     Agent,
@@ -130,8 +130,8 @@ def candidate_for(agent: Agent | dict, now: datetime, *, accepted: bool = False)
     if status == Agent.Status.DRAINING and not accepted:
         return Candidate(agent_id, node_id, status, False, "draining: it takes no new work",
                          **common)
-    heard_since = bus_heard_since(now=now)
-    lapsed = lapse_cutoff(now, heard_since)
+    hearing = bus_hearing(now=now)
+    lapsed = lapse_cutoff(hearing)
     if status == Agent.Status.OFFLINE or (lapsed and row["lease_expires_at"] <= lapsed):
         return Candidate(agent_id, node_id, "OFFLINE", False, "its lease has lapsed", **common)
     if row["node__consistency"] == Consistency.STALE:
@@ -148,10 +148,12 @@ def candidate_for(agent: Agent | dict, now: datetime, *, accepted: bool = False)
         return Candidate(agent_id, node_id, status, False,
                          "on the console's own node, which has no consumer for it", **common)
     seen = row["last_heartbeat_at"] or row["registered_at"]
-    stale = stale_cutoff(now, heard_since)
+    stale = stale_cutoff(hearing)
     if stale and seen < stale:
         return Candidate(agent_id, node_id, "STALE", False,
-                         f"stale: no heartbeat for {int((now - seen).total_seconds())} s",
+                         # heard silence: the console's own deafness is not counted
+                         f"stale: no heartbeat for "
+                         f"{int((hearing.through - seen).total_seconds())} s",
                          **common)
     if status == Agent.Status.DRAINING:
         return Candidate(agent_id, node_id, status, True,

@@ -5,14 +5,15 @@ paho stops reading and the broker holds the messages). The owner thread does eve
 else: it writes each batch of inbound messages in one transaction, acknowledges them to the
 broker only after the commit (`manual_ack`), claims due rows from the outbox
 (messages/outbox.py) and publishes them, marks them PUBLISHED on PUBACK, sends the console's
-heartbeat, and reports that it hears the bus (roster/hearing.py). RELIABILITY.md lists the
-failures this is built around.
+heartbeat, and sends the probe whose return proves, and reports, up to when it hears the bus
+(roster/hearing.py). RELIABILITY.md lists the failures this is built around.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import logging
 import queue
 import random
@@ -66,7 +67,7 @@ from messages.rows import envelope_from_row
 from messages.state import Change, changes_apply, late_pubacks_record
 from reachconsole.core.logs import log_fields
 from reachconsole.core.metrics import LocalCounter
-from roster.hearing import hearing_lost, hearing_record
+from roster.hearing import PROBE_EVERY_S, PROBE_GAP_S, hearing_lost, hearing_record
 from roster.services import agent_register, heartbeat_record
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,14 @@ class _Received:
     generation: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Probe:
+    """Our own probe, back through the broker (roster/hearing.py): once everything received
+    before it is stored, the console has heard the bus up to `sent_at`."""
+    sent_at: datetime
+    generation: int
+
+
 _WAKE = object()  # wakes the owner thread: confirms are waiting, or the outbox has work
 HEARING_EVERY_S = 1.0
 
@@ -111,6 +120,18 @@ def _response_waits_for(row: Message) -> str:
     if row.message_type == protocol.MessageType.ACK and row.from_agent_id in LOCAL_HANDLERS:
         return row.in_reply_to
     return ""
+
+
+def _probe_decode(payload: bytes) -> _Probe | None:
+    try:
+        data = json.loads(payload)
+        sent_at = datetime.fromisoformat(data["sentAt"])
+        generation = int(data["generation"])
+    except (ValueError, TypeError, KeyError):
+        return None
+    if sent_at.tzinfo is None:
+        return None
+    return _Probe(sent_at, generation)
 
 
 def _log_fields_of(payload: bytes) -> dict[str, str]:
@@ -162,7 +183,7 @@ class Bridge:
                  protocol_version: str = "5", monitor: bool = True,
                  session_expiry_s: int = 3600, max_queued: int = 10000, batch: int = 500,
                  heartbeat_ms: int = 5000, share_group: str = "", ingest: str = "auto",
-                 console_id: str = ""):
+                 console_id: str = "", keepalive_s: int = 15):
         # TLS and credentials come with the URL and the settings (messages/mqtt_client.py).
         self.target = broker_target(url, protocol=protocol_version)
         self.url = self.target.display  # never the password: this one is logged
@@ -170,6 +191,8 @@ class Bridge:
         self.prefix = prefix
         self.instance = instance
         self.client_id = client_id_for(node_id, instance, console_id)
+        self.keepalive_s = keepalive_s
+        self.probe_topic = protocol.probe_topic(prefix, self.client_id)
         self._short_lives = 0  # connections in a row the broker closed within seconds
         self.v5 = protocol_version == "5"
         self.monitor = monitor
@@ -212,6 +235,11 @@ class Bridge:
         self._listener = OutboxListener(self._wake_outbox)
         self._hearing = False
         self._last_hearing = 0.0
+        # The chain of probes back (owner thread): hearing without a gap from `since` up to
+        # `through`, on connection `generation`. None: no proof since the last break.
+        self._heard: tuple[datetime, datetime, int] | None = None
+        self._last_probe = 0.0  # monotonic, when the owner last sent one
+        self._probe_back = 0.0  # monotonic, when paho last took one back (any thread)
         self._last_db_warning = 0.0
         self._stop = threading.Event()
         self._owner: threading.Thread | None = None
@@ -235,6 +263,7 @@ class Bridge:
             max_queued=settings.MQTT_MAX_QUEUED, batch=settings.REACH_BRIDGE_BATCH,
             heartbeat_ms=settings.REACH_HEARTBEAT_MS,
             share_group=settings.REACH_BRIDGE_SHARE_GROUP, ingest=settings.REACH_BRIDGE_INGEST,
+            keepalive_s=settings.MQTT_KEEPALIVE_S,
         )
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -262,10 +291,10 @@ class Bridge:
         if self.v5:
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = self.session_expiry_s
-            client.connect_async(self.target.host, self.target.port, keepalive=30,
+            client.connect_async(self.target.host, self.target.port, keepalive=self.keepalive_s,
                                  clean_start=False, properties=props)
         else:
-            client.connect_async(self.target.host, self.target.port, keepalive=30)
+            client.connect_async(self.target.host, self.target.port, keepalive=self.keepalive_s)
         client.loop_start()
         outbox_subscribe(self._wake_outbox)
         self._listener.start()
@@ -356,8 +385,9 @@ class Bridge:
         return protocol.inbox_topic(self.prefix, self.node_id) if self.node_id else ""
 
     def _subscriptions(self) -> list[tuple[str, int]]:
-        # Brokers that publish $SYS counters (Mosquitto) report their drops here.
-        subs = [(BROKER_DROPPED_TOPIC, 0)]
+        # Brokers that publish $SYS counters (Mosquitto) report their drops here. The probe
+        # is each bridge's own, in every mode: a standby must notice a dead connection too.
+        subs = [(BROKER_DROPPED_TOPIC, 0), (self.probe_topic, 0)]
         if not self._ingesting:
             return subs
         if self.ingest_mode != "shared":
@@ -598,6 +628,15 @@ class Bridge:
             self._broker_dropped(message.payload)
             return
         # Blocks when the owner is behind: paho stops reading and the broker keeps the rest.
+        if message.topic == self.probe_topic:
+            probe = _probe_decode(message.payload)
+            if probe is not None:
+                self._probe_back = time.monotonic()
+                # In line with what was received before it: it proves those are stored.
+                self._work.put(probe)
+            else:
+                self.counts["probe_malformed"] += 1
+            return
         self._work.put(_Received(message.topic, message.payload, message.mid, message.qos,
                                  self.generation))
 
@@ -641,13 +680,14 @@ class Bridge:
         try:
             hearing_lost(instance=self.client_id)
         except DatabaseError:
-            pass  # the row ages out by itself (roster.hearing.HEARING_GAP_S)
+            pass  # its proof stops growing by itself (roster/hearing.py)
         connection.close()  # this thread's own connection
 
     def step(self, wait: float = 0.0) -> bool:
         """One turn of the owner loop; returns whether it found work."""
         items = self._take(wait)
         received = [i for i in items if isinstance(i, _Received)]
+        probes = [i for i in items if isinstance(i, _Probe)]
         # PUBACKs first: a receiver's answer cannot precede the broker taking the request,
         # and the record should not say so.
         confirms = self._drain_confirms()
@@ -659,6 +699,8 @@ class Bridge:
             # acknowledged): dropped here, it would not be redelivered on a live connection.
             if received:
                 self._ingest(received)
+        if probes:
+            self._probes_back(probes)  # after the ingest: what came before them is stored
         now = time.monotonic()
         found = bool(items)
         self._guard_db(lambda: self._ingest_lock_turn(now))
@@ -666,6 +708,9 @@ class Bridge:
             self._outbox_due.clear()
             self._next_poll = now + settings.REACH_OUTBOX_POLL_S
             found = self._guard_db(self._publish_due) or found
+        if self.connected.is_set() and now - self._last_probe >= PROBE_EVERY_S:
+            self._last_probe = now
+            self._probe_send(now)
         if now - self._last_hearing >= HEARING_EVERY_S:
             self._last_hearing = now
             self._guard_db(self._report_hearing)
@@ -700,14 +745,57 @@ class Bridge:
                 log.warning("bridge cannot reach the database (%s); retrying", exc)
             return False
 
+    # --- hearing: the probe ---------------------------------------------------------------------
+    def _probe_send(self, now: float) -> None:
+        """Owner thread: send the next probe, and call the connection dead when none has come
+        back for the keepalive (a connection that stalls without closing: paho alone would
+        wait up to two keepalives, and the broker 1.5, with everything in between lost)."""
+        client = self._client
+        if client is None:
+            return
+        since_back = now - max(self._probe_back, self._connected_at)
+        if since_back >= self.keepalive_s:
+            self.counts["probe_timeouts"] += 1
+            log.error("no probe came back through the MQTT broker for %.0f s "
+                      "(MQTT_KEEPALIVE_S=%d): the connection is dead though open; reconnecting",
+                      since_back, self.keepalive_s)
+            self._probe_back = now  # one reconnect per keepalive, not one per turn
+            sock = client.socket()
+            if sock is not None:
+                try:
+                    # paho's network thread sees the connection end and reconnects as after
+                    # any loss; a disconnect() would wait on the dead socket instead.
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            return
+        payload = json.dumps({"sentAt": timezone.now().isoformat(),
+                              "generation": self.generation}).encode()
+        client.publish(self.probe_topic, payload, qos=0)
+
+    def _probes_back(self, probes: list[_Probe]) -> None:
+        """Owner thread, after the ingest of what came with them: extend the chain, or start
+        a new one after a gap or on a new connection (what was published in between may be
+        gone: QoS 0 heartbeats are not kept for a disconnected client)."""
+        for probe in probes:
+            if probe.generation != self.generation:
+                continue  # sent on an earlier connection
+            heard = self._heard
+            gap = timedelta(seconds=PROBE_GAP_S)
+            if heard is None or heard[2] != probe.generation or probe.sent_at - heard[1] > gap:
+                self._heard = (probe.sent_at, probe.sent_at, probe.generation)
+            elif probe.sent_at > heard[1]:
+                self._heard = (heard[0], probe.sent_at, heard[2])
+
     def _report_hearing(self) -> None:
-        """Whether the console hears the bus decides whether leases may run out: connected
-        and subscribed (`listening`), and this turn's writes commit (an outage of the
-        database or the worker is a gap)."""
-        # A standby (single mode, without the ingest lock) hears nothing of the bus: if it
-        # reported, leases could run out while nobody ingests their heartbeats.
-        if self.connected.is_set() and self._ingesting and self.listening.is_set():
-            hearing_record(instance=self.client_id)
+        """Whether the console hears the bus decides whether leases may run out, and up to
+        when it may judge anyone's silence (roster/hearing.py): the chain of probes back.
+        A standby (single mode, without the ingest lock) hears nothing of the bus: if it
+        reported, leases could run out while nobody ingests their heartbeats."""
+        heard = self._heard
+        if (self.connected.is_set() and self._ingesting and self.listening.is_set()
+                and heard is not None and heard[2] == self.generation):
+            hearing_record(instance=self.client_id, since=heard[0], through=heard[1])
             self._hearing = True
         elif self._hearing:
             hearing_lost(instance=self.client_id)

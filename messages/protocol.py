@@ -576,6 +576,13 @@ def heartbeat_topic(prefix: str, node_id: str) -> str:
     return f"{_validate_prefix(prefix)}/heartbeat/{validate_node_id(node_id)}"
 
 
+def probe_topic(prefix: str, client_id: str) -> str:
+    """Where one bridge of the console sends its probe, and takes it back: the proof that it
+    hears the bus (roster/hearing.py). Nobody else subscribes; no wildcard of ours covers it."""
+    level = "".join("_" if ch in "+#/" or not ch.isprintable() else ch for ch in client_id)
+    return f"{_validate_prefix(prefix)}/console/{level or '_'}/probe"
+
+
 def inbox_wildcard(prefix: str) -> str:
     """Monitor mode only: a consumer never subscribes to every inbox."""
     return f"{_validate_prefix(prefix)}/node/+/inbox"

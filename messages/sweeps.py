@@ -27,7 +27,7 @@ from messages.models import OPEN_STATUSES, Direction, Message, Status, Task, Tra
 from messages.outbound import RETRY_STORM, message_next_attempt
 from messages.outbox import outbox_wake
 from messages.state import Change, atomic_retrying, changes_apply
-from roster.hearing import heard_for
+from roster.hearing import bus_hearing
 
 SWEEP_BATCH = 500
 
@@ -42,18 +42,26 @@ class SweepResult:
     publish: list[int] = field(default_factory=list)
 
 
-def _hearing_long_enough(now: datetime) -> bool:
-    return heard_for(window=timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS), now=now)
+def _heard_through(now: datetime) -> datetime | None:
+    """Up to when a receiver's silence may be judged (roster/hearing.py, the one rule): the
+    moment up to which the console has proof it heard the bus, once it has heard for one
+    ACK timeout; None while it has not."""
+    hearing = bus_hearing(now=now)
+    if hearing is None or not hearing.heard_for(
+            timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS)):
+        return None
+    return hearing.through
 
 
 def _overdue(now: datetime, result: SweepResult) -> list[dict]:
     """Published task requests with no ACK by their ack deadline: another attempt, or the
     end when attempts or the task's time ran out."""
-    if not _hearing_long_enough(now):
+    through = _heard_through(now)
+    if through is None:
         return []
     rows = list(
         Message.objects.select_for_update(skip_locked=True)
-        .filter(status=Status.PUBLISHED, ack_deadline_at__lt=now,
+        .filter(status=Status.PUBLISHED, ack_deadline_at__lt=min(now, through),
                 direction=Direction.SEND, message_type="TASK_REQUEST")
         .order_by("ack_deadline_at")[:SWEEP_BATCH]
     )
@@ -158,7 +166,7 @@ def _past_deadline(now: datetime, result: SweepResult) -> list[dict]:
     # PUBACK is recorded): it only leaves the deadline index.
     Message.objects.filter(deadline_at__lt=now, status__in=list(OPEN_STATUSES - {Status.SENT})
                            ).exclude(message_type="TASK_REQUEST").update(deadline_at=None)
-    deaf = not _hearing_long_enough(now)
+    deaf = _heard_through(now) is None
     due = (Message.objects.select_for_update(skip_locked=True)
            .filter(status__in=[*OPEN_STATUSES, Status.OBSERVED], deadline_at__lt=now)
            .order_by("deadline_at"))

@@ -7,6 +7,7 @@ import time
 from django.conf import settings
 from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 from prometheus_client.exposition import choose_encoder
@@ -55,6 +56,16 @@ def broker_check() -> tuple[bool, str]:
     except Exception as exc:
         return False, f"cannot tell (database: {type(exc).__name__})"
     if not live:
+        from roster.hearing import bridges_gone_quiet
+
+        quiet = bridges_gone_quiet()
+        if quiet:
+            now = timezone.now()
+            return False, "no MQTT bridge hears the bus: " + "; ".join(
+                f"{row.instance} was connected, but its probe last came back "
+                f"{(now - row.heard_at).total_seconds():.0f} s ago (a stalled connection, or "
+                "its database writes hang; it reconnects after MQTT_KEEPALIVE_S)"
+                for row in quiet)
         # The bridges say why they cannot connect (wrong password, untrusted certificate…).
         from messages.broker_caps import connect_errors
 

@@ -1,24 +1,45 @@
-"""Whether the console hears the bus, and since when (roster.models.BusHearing).
+"""Whether the console hears the bus, from when and up to when (roster.models.BusHearing).
 
-Each bridge reports every second while it is connected and its database writes go through.
-A report after a silence longer than HEARING_GAP_S starts a new hearing period, so a
-database, Redis or worker outage counts as "not heard" even when the MQTT connection held.
+The one rule for silence, used by leases, staleness, node DOWN and STALE, and receivers that
+do not acknowledge: **something is blamed for being silent over a window only if the console
+itself has proof that it heard the bus over that whole window.** Anything else (a worker
+restart, a database or Redis outage, a broker connection that stalls without closing) is the
+console's own deafness, and nobody's fault.
+
+The proof is a probe: each bridge publishes a small message to a topic of its own every
+`PROBE_EVERY_S` and takes it back through its subscriptions, in the same queue as everything
+else it receives (messages/bridge.py). When the owner thread has stored everything that
+arrived before a probe, the console has heard the bus up to the moment that probe was sent:
+that moment is the bridge's `heard_at` ("through"). A chain of probes with no gap longer than
+`PROBE_GAP_S` is one hearing period (`hearing_since` .. `heard_at`); a missing probe, a
+reconnect or a restart starts a new one. So an open socket that carries nothing, or a
+bridge whose writes do not commit, does not count as hearing.
+
+Judgments are made at the console's "heard through" time, never at the wall clock: a lease
+that ended at 12:00:03 lapses only once the console has proof it heard up to 12:00:03 and the
+agent was not heard (`Hearing.cutoff`). The grace after an outage follows from it: every
+agent gets the full window, counted from when hearing started again.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Case, F, Min, Value, When
 from django.utils import timezone
 
 from roster.models import BusHearing
 
-# A bridge silent for longer than this is not hearing (it reports every second).
-HEARING_GAP_S = 3.0
+# How often a bridge sends its probe, and the longest gap between two probes back that still
+# counts as hearing without a break (three probes lost in a row: not hearing).
+PROBE_EVERY_S = 0.5
+PROBE_GAP_S = 1.5
+# Readiness and the pages: a bridge whose proof is older than this does not hear the bus now
+# (its probes lag at most about a second behind on a healthy connection).
+HEARING_FRESH_S = 3.0
 # The directory asks once per candidate; one answer serves a whole resolve (same `now`).
 # One tuple, replaced whole: readers in other threads never see half of it.
 _MEMO_S = 0.25
@@ -27,62 +48,100 @@ _memo: tuple | None = None
 _ALWAYS = datetime(2000, 1, 1, tzinfo=UTC)
 
 
-def hearing_record(*, instance: str, now: datetime | None = None) -> None:
-    """This bridge heard the bus just now (connected, and its writes commit)."""
+@dataclass(frozen=True, slots=True)
+class Hearing:
+    """The console heard the bus without a gap from `since` up to `through`."""
+
+    since: datetime
+    through: datetime
+
+    def cutoff(self, window: timedelta) -> datetime | None:
+        """What was last heard before this has been silent for `window` of time the console
+        heard: `through - window`. None while the console has not heard for `window` (it
+        cannot tell anyone's silence from its own deafness)."""
+        if self.since > self.through - window:
+            return None
+        return self.through - window
+
+    def heard_for(self, window: timedelta) -> bool:
+        return self.since <= self.through - window
+
+
+def hearing_record(*, instance: str, since: datetime, through: datetime) -> None:
+    """This bridge has heard the bus without a gap from `since` up to `through` (the moment
+    its latest probe back was sent). The bridge keeps the chain; this stores it."""
     global _memo
-    now = now or timezone.now()
     _memo = None
-    gap = now - timedelta(seconds=HEARING_GAP_S)
-    # One statement: a report after a gap (or after hearing_lost) opens a new period.
     updated = BusHearing.objects.filter(instance=instance).update(
-        hearing_since=Case(
-            When(hearing_since__isnull=True, then=Value(now)),
-            When(heard_at__lt=gap, then=Value(now)),
-            default=F("hearing_since"),
-        ),
-        heard_at=now,
-    )
+        hearing_since=since, heard_at=through)
     if not updated:
         with transaction.atomic():
-            BusHearing.objects.get_or_create(
-                instance=instance, defaults={"hearing_since": now, "heard_at": now})
+            BusHearing.objects.update_or_create(
+                instance=instance, defaults={"hearing_since": since, "heard_at": through})
 
 
 def hearing_lost(*, instance: str) -> None:
-    """This bridge stopped hearing (disconnected or stopping)."""
+    """This bridge stopped hearing (disconnected, stalled or stopping)."""
     global _memo
     _memo = None
     BusHearing.objects.filter(instance=instance).update(hearing_since=None)
 
 
-def bus_heard_since(*, now: datetime | None = None) -> datetime | None:
-    """Since when the console has heard the bus without a gap, or None when no bridge hears
-    it now. With several bridges, the longest unbroken period counts."""
+def periods_join(periods: list[tuple[datetime, datetime]]) -> tuple[datetime, datetime] | None:
+    """The unbroken stretch, out of several bridges' periods, that reaches the latest proof:
+    two bridges that overlap are one stretch of hearing; a bridge that stopped hearing long
+    ago does not lengthen it."""
+    if not periods:
+        return None
+    periods = sorted(periods, key=lambda p: p[1], reverse=True)
+    since, through = periods[0]
+    for start, end in periods[1:]:
+        if end >= since - timedelta(seconds=PROBE_GAP_S):
+            since = min(since, start)
+    return since, through
+
+
+def bus_hearing(*, now: datetime | None = None) -> Hearing | None:
+    """The console's hearing up to `now`, or None when it has never heard (or no bridge
+    hears at all). `through` is never later than `now`."""
     global _memo
-    if settings.REACH_JUDGE_BY_CLOCK:
-        return _ALWAYS
     now = now or timezone.now()
+    if settings.REACH_JUDGE_BY_CLOCK:
+        return Hearing(since=_ALWAYS, through=now)
     memo = _memo
     if memo is not None and memo[0] == now and time.monotonic() - memo[1] < _MEMO_S:
         return memo[2]
-    gap = now - timedelta(seconds=HEARING_GAP_S)
-    since = (BusHearing.objects.filter(hearing_since__isnull=False, heard_at__gte=gap)
-             .aggregate(since=Min("hearing_since"))["since"])
-    _memo = (now, time.monotonic(), since)
-    return since
+    rows = BusHearing.objects.filter(hearing_since__isnull=False, heard_at__isnull=False)
+    joined = periods_join(list(rows.values_list("hearing_since", "heard_at")))
+    hearing = None
+    if joined is not None and joined[0] <= now:
+        hearing = Hearing(since=joined[0], through=min(joined[1], now))
+    _memo = (now, time.monotonic(), hearing)
+    return hearing
 
 
-def heard_for(*, window: timedelta, now: datetime | None = None) -> bool:
-    """Whether the console has heard the bus for at least `window` up to `now`: only then may
-    it blame an agent for not being heard within that window."""
-    now = now or timezone.now()
-    since = bus_heard_since(now=now)
-    return since is not None and since <= now - window
+def silence_cutoff(*, window: timedelta, now: datetime | None = None) -> datetime | None:
+    """Whatever was last heard before this has been silent for `window` of heard time
+    (`Hearing.cutoff`), or None when the console cannot tell yet."""
+    hearing = bus_hearing(now=now)
+    return hearing.cutoff(window) if hearing is not None else None
 
 
 def bridges_hearing(*, now: datetime | None = None) -> list[BusHearing]:
     """The bridges that hear the bus now (for readiness and metrics)."""
     now = now or timezone.now()
-    gap = now - timedelta(seconds=HEARING_GAP_S)
-    return list(BusHearing.objects.filter(hearing_since__isnull=False, heard_at__gte=gap)
+    fresh = now - timedelta(seconds=HEARING_FRESH_S)
+    return list(BusHearing.objects.filter(hearing_since__isnull=False, heard_at__gte=fresh)
                 .order_by("instance"))
+
+
+def bridges_gone_quiet(*, now: datetime | None = None) -> list[BusHearing]:
+    """Bridges that were hearing a moment ago and whose probe has stopped coming back: a
+    connection that stalled without closing, or an owner thread stuck on the database. A
+    live bridge calls such a connection dead after MQTT_KEEPALIVE_S; one quiet for longer
+    has stopped without saying so (a killed worker) and is not listed."""
+    now = now or timezone.now()
+    fresh = now - timedelta(seconds=HEARING_FRESH_S)
+    recent = fresh - timedelta(seconds=settings.MQTT_KEEPALIVE_S + 2)
+    return list(BusHearing.objects.filter(hearing_since__isnull=False, heard_at__lt=fresh,
+                                          heard_at__gte=recent).order_by("instance"))

@@ -30,30 +30,31 @@ def is_console_agent(agent_id: str, node_id: str | None = None) -> bool:
     )
 
 
-def stale_cutoff(now: datetime, heard_since: datetime | None) -> datetime | None:
-    """Agents last heard before this have missed two heartbeats in a row: stale. None when
-    the console itself has not heard the bus for two heartbeats (down, restarting): it
-    cannot tell a silent agent from its own deafness, so nothing is stale."""
-    window = timedelta(milliseconds=2 * settings.REACH_HEARTBEAT_MS)
-    if heard_since is None or heard_since > now - window:
+def stale_cutoff(hearing) -> datetime | None:
+    """Agents last heard before this have missed two heartbeats in a row, over time the
+    console heard (`hearing`: roster.hearing.Hearing): stale. None when the console itself
+    has not heard the bus for two heartbeats (down, restarting, stalled): it cannot tell a
+    silent agent from its own deafness, so nothing is stale."""
+    if hearing is None:
         return None
-    return now - window
+    return hearing.cutoff(timedelta(milliseconds=2 * settings.REACH_HEARTBEAT_MS))
 
 
-def lapse_cutoff(now: datetime, heard_since: datetime | None) -> datetime | None:
-    """Leases that ended before this have lapsed. None until the console has heard the bus
-    for one full lease TTL: an outage of the console never ends an agent's lease, and after
-    it every agent gets a whole TTL to be heard."""
-    ttl = timedelta(milliseconds=settings.REACH_LEASE_TTL_MS)
-    if heard_since is None or heard_since > now - ttl:
+def lapse_cutoff(hearing) -> datetime | None:
+    """Leases that ended before this have lapsed: the moment up to which the console has
+    proof it heard the bus (roster.hearing). None until it has heard for one full lease TTL:
+    an outage of the console never ends an agent's lease, and after it every agent gets a
+    whole TTL to be heard."""
+    if hearing is None or not hearing.heard_for(
+            timedelta(milliseconds=settings.REACH_LEASE_TTL_MS)):
         return None
-    return now
+    return hearing.through
 
 
-def _heard_since(now: datetime) -> datetime | None:
-    from roster.hearing import bus_heard_since
+def _hearing(now: datetime):
+    from roster.hearing import bus_hearing
 
-    return bus_heard_since(now=now)
+    return bus_hearing(now=now)
 
 
 class Namespace(models.Model):
@@ -183,7 +184,7 @@ class Agent(models.Model):
     def lease_remaining(self, now: datetime | None = None) -> timedelta:
         return self.lease_expires_at - (now or timezone.now())
 
-    def is_stale(self, now: datetime | None = None, heard_since=_LOOKUP) -> bool:
+    def is_stale(self, now: datetime | None = None, hearing=_LOOKUP) -> bool:
         """Missed two heartbeats in a row while its lease still runs (an early warning), or
         on a node reconciliation found STALE: what the directory calls STALE and routes no
         work to (directory/resolver.py). Read with its node (select_related)."""
@@ -192,18 +193,18 @@ class Agent(models.Model):
         if self.node.consistency == Consistency.STALE:
             return True
         now = now or timezone.now()
-        cutoff = stale_cutoff(now, _heard_since(now) if heard_since is _LOOKUP else heard_since)
+        cutoff = stale_cutoff(_hearing(now) if hearing is _LOOKUP else hearing)
         return cutoff is not None and (self.last_heartbeat_at or self.registered_at) < cutoff
 
-    def lease_lapsed(self, now: datetime | None = None, heard_since=_LOOKUP) -> bool:
+    def lease_lapsed(self, now: datetime | None = None, hearing=_LOOKUP) -> bool:
         now = now or timezone.now()
-        cutoff = lapse_cutoff(now, _heard_since(now) if heard_since is _LOOKUP else heard_since)
+        cutoff = lapse_cutoff(_hearing(now) if hearing is _LOOKUP else hearing)
         return cutoff is not None and self.lease_expires_at <= cutoff
 
-    def is_routable(self, now: datetime | None = None, heard_since=_LOOKUP) -> bool:
+    def is_routable(self, now: datetime | None = None, hearing=_LOOKUP) -> bool:
         """New work may be sent to it: online, lease valid, not draining."""
         return (self.status == self.Status.ONLINE
-                and not self.lease_lapsed(now, heard_since=heard_since))
+                and not self.lease_lapsed(now, hearing=hearing))
 
 
 class LeaseDeadline(models.Model):
@@ -275,7 +276,8 @@ class RosterEvent(models.Model):
 
 
 class BusHearing(models.Model):
-    """One row per MQTT bridge: since when it has heard the bus without a gap.
+    """One row per MQTT bridge: from when and up to when it has heard the bus without a gap
+    (roster/hearing.py: `heard_at` is the send time of its latest probe back).
 
     The console judges leases and staleness only over time it could hear: while no bridge
     hears (disconnected, database or Redis down, worker restarting), no lease runs out, and

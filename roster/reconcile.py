@@ -31,7 +31,7 @@ from django.db.models import Count
 from django.utils import timezone
 
 from reachconsole.core.audit import audit_record
-from roster.hearing import bus_heard_since
+from roster.hearing import Hearing, bus_hearing
 from roster.models import NODE_ID_RE, Agent, ClusterNode, Consistency, Reconciliation
 from roster.services import node_down_after, silence_words
 
@@ -100,7 +100,7 @@ def _listed(doc: object) -> dict[str, dict]:
 
 
 def node_verdict(node: ClusterNode, node_set: NodeSet, *, now: datetime,
-                 heard_since: datetime | None) -> tuple[str, str]:
+                 hearing: Hearing | None) -> tuple[str, str]:
     """(class, reason) of one node: PROTOCOL.md "Console pages and operations"."""
     if node.retired:
         return Consistency.STALE, f"node {node.node_id} is retired"
@@ -116,10 +116,11 @@ def node_verdict(node: ClusterNode, node_set: NodeSet, *, now: datetime,
             return Consistency.STALE, (f"the cluster's node set reports node {node.node_id} "
                                        f"{'RETIRED' if entry.get('retired') is True else status}")
     window = node_down_after(node.heartbeat_ms)
-    if node.last_seen_at is not None and heard_since is not None:
-        if max(node.last_seen_at, heard_since) < now - window:
-            return Consistency.STALE, silence_words(node.node_id, node.last_seen_at, now=now,
-                                                    window=window)
+    silent_before = hearing.cutoff(window) if hearing is not None else None
+    if node.last_seen_at is not None and silent_before is not None:
+        if node.last_seen_at < silent_before:
+            return Consistency.STALE, silence_words(node.node_id, node.last_seen_at,
+                                                    now=hearing.through, window=window)
         if node.last_seen_at >= now - window:
             return Consistency.OK, f"node {node.node_id} is live"
     if listed is not None:
@@ -139,12 +140,12 @@ def cluster_reconcile(*, trigger: str, actor: str = "", timeout_s: float | None 
     timeout_s = settings.REACH_RECONCILE_TIMEOUT_S if timeout_s is None else timeout_s
     node_set = node_set_fetch(timeout_s=timeout_s)  # outside the transaction: it may be slow
     now = now or timezone.now()
-    heard_since = bus_heard_since(now=now)
+    hearing = bus_hearing(now=now)
     with transaction.atomic():
         nodes = list(ClusterNode.objects.select_for_update().order_by("node_id"))
         changed, changes = [], []
         for node in nodes:
-            verdict, reason = node_verdict(node, node_set, now=now, heard_since=heard_since)
+            verdict, reason = node_verdict(node, node_set, now=now, hearing=hearing)
             if verdict != node.consistency:
                 changes.append({"nodeId": node.node_id, "from": node.consistency,
                                 "to": verdict, "reason": reason})

@@ -10,7 +10,7 @@ from django.db.models import Case, Count, F, IntegerField, Q, QuerySet, Value, W
 from django.db.models.functions import RowNumber
 from django.utils import timezone
 
-from roster.hearing import bus_heard_since
+from roster.hearing import bus_hearing
 from roster.models import Agent, ClusterNode, Consistency, RosterEvent, stale_cutoff
 from roster.services import node_down_after
 
@@ -41,7 +41,7 @@ class AgentFilter:
 def _stale_q(now: datetime) -> Q:
     # Mirrors Agent.is_stale() so the filter and the badge always agree.
     on_stale_node = Q(node__consistency=Consistency.STALE)
-    cutoff = stale_cutoff(now, bus_heard_since(now=now))
+    cutoff = stale_cutoff(bus_hearing(now=now))
     if cutoff is None:
         # The console has not heard the bus long enough to judge heartbeats; what
         # reconciliation found of a node does not depend on that.

@@ -38,7 +38,7 @@ from roster.errors import (
     NotOwner,
     WrongNode,
 )
-from roster.hearing import bus_heard_since
+from roster.hearing import bus_hearing
 from roster.models import (
     NAME_RE,
     NAMESPACE_RE,
@@ -566,9 +566,12 @@ def leases_expire(*, now: datetime | None = None, batch: int = 20_000,
     Nothing lapses until the console has heard the bus for a full TTL
     (roster.models.lapse_cutoff)."""
     now = now or timezone.now()
-    cutoff = lapse_cutoff(now, bus_heard_since(now=now))
+    cutoff = lapse_cutoff(bus_hearing(now=now))
     if cutoff is None:
         return ExpiryCounts(offline=0, removed=0)
+    # Judged, and stamped, at the moment up to which the console has proof it heard the bus:
+    # a lease that ended after it may only look lapsed because the console fell deaf.
+    now = min(now, cutoff)
     spread = workers or settings.REACH_LEASE_SWEEP_WORKERS
     if connection.vendor != "postgresql" or connection.in_atomic_block:
         spread = 1  # SQLite has one writer; threads would not see this transaction
@@ -771,7 +774,8 @@ def node_down_after(heartbeat_ms: int | None) -> timedelta:
 
 def silence_words(node_id: str, last_seen: datetime, *, now: datetime,
                   window: timedelta) -> str:
-    """Why a silent node is DOWN and STALE, as the node's card and the directory say it."""
+    """Why a silent node is DOWN and STALE, as the node's card and the directory say it.
+    `now`: up to when the console heard the bus (roster/hearing.py)."""
     silent = int((now - last_seen).total_seconds())
     return (f"node {node_id} has been silent for {silent} s (more than "
             f"{int(window.total_seconds())} s, three heartbeats)")
@@ -787,8 +791,8 @@ def nodes_sweep(*, now: datetime | None = None) -> int:
     (roster/reconcile.py `node_verdict`): its card must not show DOWN beside an OK that only
     the next reconciliation would take back. UNKNOWN stays UNKNOWN until then."""
     now = now or timezone.now()
-    heard_since = bus_heard_since(now=now)
-    if heard_since is None:
+    hearing = bus_hearing(now=now)
+    if hearing is None:
         return 0
     live = [ClusterNode.Status.ONLINE, ClusterNode.Status.REGISTERED]
     # Nodes are few (one row a machine or process): judged here, each by its own interval,
@@ -800,10 +804,12 @@ def nodes_sweep(*, now: datetime | None = None) -> int:
                 "pk", "node_id", "last_seen_at", "created_at", "heartbeat_ms",
                 "consistency")):
         window = node_down_after(beat_ms)
-        if max(last_seen or created, heard_since) < now - window:
+        cutoff = hearing.cutoff(window)
+        if cutoff is not None and (last_seen or created) < cutoff:
             down.append(pk)
             if last_seen is not None and consistency == Consistency.OK:
-                stale[pk] = silence_words(node_id, last_seen, now=now, window=window)
+                stale[pk] = silence_words(node_id, last_seen, now=hearing.through,
+                                          window=window)
     if not down:
         return 0
     with transaction.atomic():

@@ -182,11 +182,14 @@ def stop_process(proc, timeout: float = 20) -> None:
 def bus_heard(*, since: datetime, until: datetime, instance: str = "test-bridge") -> None:
     """Record that a bridge has heard the bus from `since` without a gap up to `until`."""
     from roster.hearing import hearing_record
-    from roster.models import BusHearing
 
-    hearing_record(instance=instance, now=since)
-    BusHearing.objects.filter(instance=instance).update(heard_at=until)
-    hearing_record(instance=instance, now=until)
+    hearing_record(instance=instance, since=since, through=until)
+
+
+def bridge_hears(instance: str) -> None:
+    """A bridge whose probe has just come back: it hears the bus now."""
+    moment = timezone.now()
+    bus_heard(since=moment, until=moment, instance=instance)
 
 
 @pytest.fixture

@@ -9,6 +9,9 @@ process logs to a file in the stack's temporary directory; `tail()` shows the en
 Faults: `kill(name, sig)`, `start(name)` and `restart_service(name, down_s)` for `postgres`
 (pg_ctl stop -m fast / start), `redis`, `mosquitto` (SIGTERM: it saves its persistence) and
 `worker` (kill -9 of its whole process group, as a container kill does, then a fresh start).
+`stall_service("mosquitto", stall_s)` stops the console's broker connections from moving
+without closing them: the console reaches Mosquitto through a stall proxy
+(tests/stallproxy.py), while tests and simulated nodes connect to it directly.
 
 `new_run()` gives the next test a clean console on the same services: the app processes are
 stopped, the database is recreated from the migrated template, Redis is flushed, and the
@@ -42,6 +45,7 @@ import pytest
 
 from tests.conftest import expect_real_services
 from tests.mqtt import free_port
+from tests.stallproxy import StallProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -182,6 +186,8 @@ class Stack:
         self.run_dir = self.tmp / "run-0"
         self.runs = 0
         self.procs: dict[str, subprocess.Popen] = {}
+        # The console's own way to the broker, which a stall fault holds (see the docstring).
+        self.mqtt_proxy = StallProxy(target_host=HOST, target_port=self.mqtt_port)
         self._log_files: dict[str, object] = {}
         self._lock = threading.RLock()
         self._stopped = False
@@ -211,7 +217,7 @@ class Stack:
             DJANGO_SETTINGS_MODULE="reachconsole.settings",
             DATABASE_URL=self.database_url(database),
             REDIS_URL=self.redis_url,
-            MQTT_URL=self.mqtt_url,
+            MQTT_URL=f"mqtt://{HOST}:{self.mqtt_proxy.port}",
             MQTT_TOPIC_PREFIX=self.prefix or "fr-migrate",
             REACH_NODE_ID="console",
             REACH_CONSOLE_ID=STACK_CONSOLE_ID,
@@ -463,6 +469,7 @@ class Stack:
         self._pg_start()
         self._redis_start()
         self._mosquitto_start()
+        self.mqtt_proxy.start()
 
     def migrate_template(self) -> None:
         with self.connect_db("postgres") as conn:
@@ -586,6 +593,18 @@ class Stack:
         return {"down_at": down_at, "stopped_at": stopped_at, "start_at": start_at,
                 "up_at": time.time()}
 
+    def stall_service(self, name: str, stall_s: float) -> dict[str, float]:
+        """Hold every connection of the console to `name` for `stall_s` seconds, open but
+        carrying nothing, then let it flow again. The same times as restart_service."""
+        if name != "mosquitto":
+            raise StackError(f"stall_service does not know {name!r}")
+        down_at = time.time()
+        with self.mqtt_proxy.stalled():
+            time.sleep(stall_s)
+            start_at = time.time()
+        return {"down_at": down_at, "stopped_at": down_at, "start_at": start_at,
+                "up_at": time.time()}
+
     def _assert_down(self, name: str) -> None:
         """A fault that did not take the service down would make the run meaningless."""
         port = {"postgres": self.pg_port, "redis": self.redis_port,
@@ -627,6 +646,7 @@ class Stack:
                 self._terminate(name, signal.SIGTERM, timeout=20)
             except Exception as exc:  # go on: the rest must stop too
                 print(f"stack: stopping {name} failed: {exc}", file=sys.stderr)
+        self.mqtt_proxy.stop()
         try:
             if self._pg_postmaster_pid():
                 self._pg_stop("fast")

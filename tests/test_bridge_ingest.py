@@ -15,7 +15,11 @@ from messages.ingest_lock import IngestLock
 
 def bridge(**kwargs) -> Bridge:
     return Bridge(url="mqtt://127.0.0.1:1", node_id="console", prefix="p", instance="t",
-                  share_group="reach-g", **kwargs)
+                  share_group="reach-g", console_id="rc", **kwargs)
+
+
+# Each bridge's own, in every mode: the probe that proves it hears (roster/hearing.py).
+PROBE = ("p/console/rc-console-t/probe", 0)
 
 
 def test_it_shares_the_inbound_topics_on_an_mqtt5_broker():
@@ -24,6 +28,7 @@ def test_it_shares_the_inbound_topics_on_an_mqtt5_broker():
     assert b.ingest_mode == "shared"
     assert b._subscriptions() == [
         (BROKER_DROPPED_TOPIC, 0),  # each bridge's own: it computes drops from its last total
+        PROBE,
         ("$share/reach-g/p/heartbeat/+", 0),
         ("$share/reach-g/p/node/+/inbox", 1),
         ("p/node/console/inbox", 1),  # plain too: survives a broker restart
@@ -35,7 +40,7 @@ def test_it_shares_the_inbound_topics_on_an_mqtt5_broker():
 def test_without_monitor_only_the_heartbeats_are_shared():
     b = bridge(monitor=False)
     b._ingest_mode_decide()
-    assert b._subscriptions() == [(BROKER_DROPPED_TOPIC, 0),
+    assert b._subscriptions() == [(BROKER_DROPPED_TOPIC, 0), PROBE,
                                   ("$share/reach-g/p/heartbeat/+", 0),
                                   ("p/node/console/inbox", 1)]
 
@@ -51,14 +56,14 @@ def test_a_broker_without_shares_gets_one_bridge_that_waits_for_the_lock(kwargs,
     b._ingest_mode_decide()
     assert b.ingest_mode == "single"
     assert not b._ingesting  # no lock yet: standby
-    assert b._subscriptions() == [(BROKER_DROPPED_TOPIC, 0)]
+    assert b._subscriptions() == [(BROKER_DROPPED_TOPIC, 0), PROBE]
     # Before this connection has asked for the lock, nothing inbound is dropped: the session
     # may hold what the broker kept for it, and it may be the one to take the lock.
     assert "p/node/+/inbox" not in b._stale_filters()
     b._lock_asked = True  # asked, and another bridge holds it: a standby drops the inbox
     assert "p/node/+/inbox" in b._stale_filters()
     b._ingesting = True  # holds the lock
-    assert b._subscriptions() == [(BROKER_DROPPED_TOPIC, 0), ("p/heartbeat/+", 0),
+    assert b._subscriptions() == [(BROKER_DROPPED_TOPIC, 0), PROBE, ("p/heartbeat/+", 0),
                                   ("p/node/+/inbox", 1)]
     assert "p/node/+/inbox" not in b._stale_filters()
 

@@ -12,9 +12,9 @@ from messages.models import Message, Status
 from messages.outbound import SendRequest, message_send
 from messages.sweeps import deliveries_sweep
 from roster import services
-from roster.hearing import bus_heard_since, hearing_lost, hearing_record
+from roster.hearing import Hearing, bus_hearing, hearing_lost, hearing_record
 from roster.models import Agent
-from tests.conftest import bus_heard, later, register
+from tests.conftest import bridge_hears, bus_heard, later, register
 
 pytestmark = pytest.mark.django_db
 TTL = settings.REACH_LEASE_TTL_MS
@@ -34,20 +34,56 @@ def test_after_hearing_again_every_agent_gets_one_full_ttl(now):
     assert services.leases_expire(now=later(back, TTL + 1)) == services.ExpiryCounts(1, 0)
 
 
-def test_a_gap_in_hearing_starts_the_clock_again(now):
-    hearing_record(instance="b1", now=now)
-    hearing_record(instance="b1", now=later(now, 1000))
-    assert bus_heard_since(now=later(now, 1000)) == now
-    hearing_record(instance="b1", now=later(now, 10_000))  # silent for 9 s: a gap
-    assert bus_heard_since(now=later(now, 10_000)) == later(now, 10_000)
+def test_one_bridges_period_is_what_it_reports(now):
+    hearing_record(instance="b1", since=now, through=later(now, 1000))
+    assert bus_hearing(now=later(now, 1500)) == Hearing(since=now, through=later(now, 1000))
+    hearing_record(instance="b1", since=later(now, 10_000), through=later(now, 10_500))
+    assert bus_hearing(now=later(now, 11_000)).since == later(now, 10_000)
     hearing_lost(instance="b1")
-    assert bus_heard_since(now=later(now, 10_000)) is None
+    assert bus_hearing(now=later(now, 11_000)) is None
 
 
-def test_the_longest_hearing_bridge_counts(now):
+def test_the_proof_never_runs_ahead_of_now(now):
+    bus_heard(since=now, until=later(now, 60_000))
+    assert bus_hearing(now=later(now, 5000)).through == later(now, 5000)
+
+
+def test_overlapping_bridges_are_one_stretch_and_an_old_one_does_not_lengthen_it(now):
     bus_heard(since=now, until=later(now, 60_000), instance="b1")
     bus_heard(since=later(now, 30_000), until=later(now, 60_000), instance="b2")
-    assert bus_heard_since(now=later(now, 60_000)) == now
+    assert bus_hearing(now=later(now, 60_000)).since == now
+    # b1 stopped at 60 s; b2 alone goes on after a break of its own: the stretch is b2's.
+    bus_heard(since=later(now, 90_000), until=later(now, 120_000), instance="b2")
+    assert bus_hearing(now=later(now, 120_000)) == Hearing(since=later(now, 90_000),
+                                                          through=later(now, 120_000))
+
+
+def test_silence_is_judged_at_the_proof_not_at_the_clock(now):
+    """A broker connection that stalls: the proof stops at `stalled`, the wall clock goes
+    on. Nothing the console could not have heard is blamed, however late it is now."""
+    register("fin.tax", "node-b", now=now)  # heard at `now`, lease to now + TTL
+    stalled = later(now, TTL - 500)
+    bus_heard(since=later(now, -10 * TTL), until=stalled)
+    wall = later(now, 10 * TTL)
+    assert services.leases_expire(now=wall) == services.ExpiryCounts(0, 0)
+    # Stale by then (two heartbeats missed while it heard), and said in heard time.
+    words = resolve_agent_node(to_agent_id="fin.tax", now=wall).reason
+    assert f"stale: no heartbeat for {(TTL - 500) // 1000} s" in words
+    bus_heard(since=later(now, -10 * TTL), until=later(now, TTL + 1))  # heard past its lease
+    assert services.leases_expire(now=wall) == services.ExpiryCounts(1, 0)
+
+
+def test_an_agent_gets_its_whole_window_counted_from_when_hearing_began(now):
+    """The worker restarted: the agent's last heartbeat is from before, hearing began again
+    at `back`. Stale only after two heartbeat intervals of hearing, not of the clock."""
+    beat = settings.REACH_HEARTBEAT_MS
+    register("fin.tax", "node-b", now=now)
+    back = later(now, 1.5 * beat)
+    bus_heard(since=back, until=later(back, 2 * beat - 100))
+    assert resolve_agent_node(to_agent_id="fin.tax", now=later(back, 2 * beat)).ok
+    bus_heard(since=back, until=later(back, 2 * beat + 100))
+    words = resolve_agent_node(to_agent_id="fin.tax", now=later(back, 2 * beat + 100)).reason
+    assert "stale: no heartbeat for" in words
 
 
 def test_an_agent_unheard_during_the_consoles_outage_is_not_stale(now):
@@ -78,7 +114,7 @@ def test_readiness_says_when_no_bridge_hears_the_bus(client):
     assert answer.status_code == 503
     assert answer.json()["checks"]["broker"]["detail"].startswith(
         "no MQTT bridge hears the bus")
-    hearing_record(instance="reach-console-1")
+    bridge_hears("reach-console-1")
     answer = client.get("/readyz")
     assert answer.status_code == 200
     assert answer.json()["checks"]["broker"]["detail"] == (

@@ -1,6 +1,9 @@
 """Fault runs: the console in production shape (PostgreSQL, Redis, Mosquitto, Daphne, a stock
 Celery worker and beat, all private: tests/stack.py) under a steady stream of tasks to a
-simulated node (tests/fakenode.py), with one fault injected in the middle of the stream.
+simulated node (tests/fakenode.py), with one fault injected in the middle of the stream: a
+restart (the worker killed with -9, Redis, PostgreSQL, the broker) or a stall (the console's
+broker connection held open and still for 10 s, tests/stallproxy.py; the node keeps
+heartbeating to the broker directly throughout).
 
 Every task sent is counted as completed, failed, stuck or executed twice (RELIABILITY.md:
 lost must be 0, duplicates on the bus must never become two executions). Slow (about a minute
@@ -35,7 +38,7 @@ import pytest
 
 from tests.conftest import expect_real_services
 from tests.fakenode import FakeNode
-from tests.stack import HOST, Stack, stack_fixture  # noqa: F401 - the `stack` fixture
+from tests.stack import HOST, Stack, stack_or_skip
 
 ENABLED = os.environ.get("REACH_FAULT_RUNS") == "1" or expect_real_services()
 pytestmark = [
@@ -59,12 +62,24 @@ COMPLETED = "COMPLETED"
 FAILED = frozenset({"UNDELIVERABLE", "FAILED", "EXPIRED", "NACKED", "TASK_ERROR", "BUSY"})
 FINAL = FAILED | {COMPLETED}
 
-# fault id → (the service restart_service takes down, namespace of this fault's agents)
+# The tightest settings the README allows (RELIABILITY.md): heartbeats every second and a
+# 3 s lease, a node beating every second. An outage the console fails to excuse shows here
+# first, as healthy agents called stale or lapsed.
+HEARTBEAT_MS = int(os.environ.get("REACH_FAULT_HEARTBEAT_MS", "1000"))
+LEASE_TTL_MS = int(os.environ.get("REACH_FAULT_LEASE_TTL_MS", "3000"))
+BROKER_STALL_S = float(os.environ.get("REACH_FAULT_BROKER_STALL_S", "10"))
+# The console's keepalive in the runs: shorter than the stall, so that the stall run also
+# goes through the bridge calling its open connection dead and reconnecting.
+KEEPALIVE_S = 5
+
+# fault id → (the service the fault hits, namespace of this fault's agents, how: "restart"
+# takes it down and back, "stall" holds the console's connections to it open and still)
 FAULTS = {
-    "worker-kill": ("worker", "fworker"),
-    "redis-restart": ("redis", "fredis"),
-    "postgres-restart": ("postgres", "fpostgres"),
-    "broker-restart": ("mosquitto", "fbroker"),
+    "worker-kill": ("worker", "fworker", "restart"),
+    "redis-restart": ("redis", "fredis", "restart"),
+    "postgres-restart": ("postgres", "fpostgres", "restart"),
+    "broker-restart": ("mosquitto", "fbroker", "restart"),
+    "broker-stall": ("mosquitto", "fstall", "stall"),
 }
 RESULTS: list[dict] = []
 
@@ -323,7 +338,7 @@ def test_the_harness_counts_what_it_should(stack: Stack):
     prefix = stack.clean_run()
     node = FakeNode(base_url=stack.base_url, token=stack.token, mqtt_host=HOST,
                     mqtt_port=stack.mqtt_port, prefix=prefix, node_id=NODE_ID,
-                    agents=["fself.alpha"])
+                    agents=["fself.alpha"], heartbeat_s=HEARTBEAT_MS / 1000)
     peer = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"selfcheck-{prefix}",
                        protocol=mqtt.MQTTv5)
     answers: list[protocol.Envelope] = []
@@ -403,15 +418,27 @@ def test_the_harness_counts_what_it_should(stack: Stack):
         node.stop()
 
 
+@pytest.fixture(scope="module", name="stack")
+def stack_fixture():
+    running = stack_or_skip(extra_env={"REACH_HEARTBEAT_MS": str(HEARTBEAT_MS),
+                                       "REACH_LEASE_TTL_MS": str(LEASE_TTL_MS),
+                                       "MQTT_KEEPALIVE_S": str(KEEPALIVE_S)})
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_fault_run(stack: Stack, fault: str):
-    service, namespace = FAULTS[fault]
+    service, namespace, how = FAULTS[fault]
     started = time.monotonic()
     prefix = stack.clean_run()
     offsets = stack.log_offsets()
     agents = [f"{namespace}.{name}" for name in AGENT_NAMES]
     node = FakeNode(base_url=stack.base_url, token=stack.token, mqtt_host=HOST,
-                    mqtt_port=stack.mqtt_port, prefix=prefix, node_id=NODE_ID, agents=agents)
+                    mqtt_port=stack.mqtt_port, prefix=prefix, node_id=NODE_ID, agents=agents,
+                    heartbeat_s=HEARTBEAT_MS / 1000)
     tasks = [Sent(index=i, task_id=f"{fault}-{prefix}-{i:04d}", to=agents[i % len(agents)])
              for i in range(TASKS)]
     sender = Sender(stack, tasks, fault)
@@ -425,7 +452,10 @@ def test_fault_run(stack: Stack, fault: str):
         fault_point = sender.when_sent(TASKS // 2)
         sender.start()
         assert fault_point.wait(TASKS / RATE + 120), "the sender did not reach the fault point"
-        fault_times = stack.restart_service(service, down_s=DOWN_S)
+        if how == "stall":
+            fault_times = stack.stall_service(service, stall_s=BROKER_STALL_S)
+        else:
+            fault_times = stack.restart_service(service, down_s=DOWN_S)
         sender.join(timeout=TASKS * 2)
         assert not sender.is_alive(), "the sender did not finish"
         if sender.error:

@@ -15,8 +15,7 @@ from messages.bridge import Bridge
 from messages.models import Message, Status
 from messages.outbound import SendRequest, messages_send
 from reachconsole.core.metrics import delivery_add_later, metrics_flush
-from roster.hearing import hearing_record
-from tests.conftest import expect_real_services, register
+from tests.conftest import bridge_hears, expect_real_services, register
 from tests.test_bridge import EmbeddedBrokerProcess, PrivateMosquitto, eventually
 from tests.test_metrics import metrics, value
 
@@ -29,7 +28,7 @@ def ready(client) -> tuple[int, dict]:
 
 
 def test_it_answers_in_the_shape_protocol_md_gives(client):
-    hearing_record(instance="reach-console-1")
+    bridge_hears("reach-console-1")
     status, body = ready(client)
     assert status == 200
     assert body["status"] == "ready"
@@ -116,7 +115,7 @@ def test_unanswered_transmissions_make_the_console_not_ready(client, mqtt_settin
 
 
 def test_a_low_rate_is_judged_only_with_enough_traffic_and_a_threshold(client, settings):
-    hearing_record(instance="reach-console-1")
+    bridge_hears("reach-console-1")
     second = int(time.time()) - 5
     settings.REACH_ACK_TIMEOUT_MS = 1000
     settings.REACH_READY_MIN_TRANSMISSIONS = 5

@@ -5,7 +5,7 @@ import pytest
 from reachconsole.core.audit import AuditEntry
 from roster import services
 from roster.models import Agent, ClusterNode, RosterEvent
-from tests.conftest import FIN_TOKEN, ROTATED_TOKEN, ApiClient, register
+from tests.conftest import FIN_TOKEN, ROTATED_TOKEN, ApiClient, bridge_hears, register
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
@@ -243,9 +243,7 @@ def test_it_serves_the_openapi_document(api):
 
 
 def test_it_reports_health_and_readiness(client):
-    from roster.hearing import hearing_record
-
-    hearing_record(instance="reach-console-1")  # a bridge hears the bus
+    bridge_hears("reach-console-1")
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz")
     assert ready.status_code == 200
