@@ -368,6 +368,14 @@ class Bridge:
     # dropped before the insert (`_ingest`), the rest by the unique message id (a repeated
     # request to one of the console's own agents is answered ACK `duplicate: true`, as any
     # redelivery on an at-least-once bus is).
+    #
+    # The heartbeats are not shared either. A share of them goes to every member of the
+    # group, a bridge that stopped included (its persistent session stays a member until it
+    # expires, an hour by default), and heartbeats are QoS 0, so its share was simply lost:
+    # the console heard 20 of 39 heartbeats while one of two bridges was away, and called
+    # live agents EXPIRED. And a bridge's probe (roster/hearing.py) can only prove that it
+    # heard everything if it gets everything. So every bridge subscribes to them itself, and
+    # the first to claim a heartbeat applies it (messages/inbound.py heartbeats_first_copy).
     def _inbound_topics(self) -> list[tuple[str, int]]:
         subs = [(protocol.heartbeat_wildcard(self.prefix), 0)]
         if self.monitor:
@@ -392,8 +400,10 @@ class Bridge:
             return subs
         if self.ingest_mode != "shared":
             return subs + self._inbound_topics()
-        own = self._own_inbox()
-        subs += [(self._shared(t), q) for t, q in self._inbound_topics() if t != own]
+        own, beats = self._own_inbox(), protocol.heartbeat_wildcard(self.prefix)
+        subs += [(self._shared(t), q) for t, q in self._inbound_topics()
+                 if t not in (own, beats)]
+        subs.append((beats, 0))  # every bridge hears every heartbeat: see above
         if own:
             subs.append((own, 1))  # plain as well: see above
         return subs
@@ -403,8 +413,11 @@ class Bridge:
         an earlier run subscribed (another mode, or the ingest lock it no longer holds), and
         the broker would go on delivering a copy of every message to it."""
         plain = [t for t, _ in self._inbound_topics()]
+        beats = protocol.heartbeat_wildcard(self.prefix)
         if self.ingest_mode == "shared":
-            return [t for t in plain if t != self._own_inbox()]
+            # The shared heartbeat filter of an earlier version, too (see above).
+            return [t for t in plain if t not in (self._own_inbox(), beats)] + [
+                self._shared(beats)]
         stale = [] if self._ingesting or not self._lock_asked else plain
         if self.caps.get("shared_subscriptions"):
             # Only a broker that takes `$share/` filters is sent them (single mode by
@@ -843,7 +856,7 @@ class Bridge:
                 connection_keep()
                 try:
                     result = messages_ingest(batch=batch, node_id=self.node_id,
-                                             prefix=self.prefix)
+                                             prefix=self.prefix, receiver=self.client_id)
                 except INFRA_DOWN:
                     raise
                 except Exception:
@@ -876,7 +889,8 @@ class Bridge:
         total = IngestResult()
         for item in batch:
             try:
-                one = messages_ingest(batch=[item], node_id=self.node_id, prefix=self.prefix)
+                one = messages_ingest(batch=[item], node_id=self.node_id, prefix=self.prefix,
+                                      receiver=self.client_id)
             except INFRA_DOWN:
                 raise
             except Exception:

@@ -25,6 +25,7 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
+from django.core.cache import cache
 from django.db import transaction
 from django.utils import timezone
 
@@ -88,8 +89,34 @@ def _is_self(env: protocol.Envelope, node_id: str) -> bool:
     return env.from_agent_id == node_id or env.from_agent_id in LOCAL_HANDLERS
 
 
+# How long a heartbeat's first copy is remembered (messages/bridge.py: every bridge hears
+# every heartbeat): far longer than copies take to arrive, short enough to stay small.
+HEARTBEAT_SEEN_S = 60
+
+
+def heartbeats_first_copy(*, heartbeats: list[tuple[str, protocol.Envelope]], receiver: str,
+                          counts: Counter) -> list[tuple[str, protocol.Envelope]]:
+    """Every bridge of the console subscribes to the heartbeats itself, not as a share (a
+    share of them would go to a bridge that stopped, and be lost: QoS 0 is not kept for an
+    absent client), so each heartbeat comes once per bridge. The first bridge to claim its
+    message id applies it; the others count a copy. A bridge retrying its own batch (the
+    database was down) holds its claim and applies it then. In node order: two bridges
+    applying heartbeats of the same nodes take their rows in one order."""
+    kept = []
+    for node, env in sorted(heartbeats, key=lambda item: item[0]):
+        key = f"hb-seen:{env.message_id}"[:200]
+        if receiver and not cache.add(key, receiver, timeout=HEARTBEAT_SEEN_S) and (
+                cache.get(key) != receiver):
+            counts["heartbeat_copies"] += 1
+            continue
+        kept.append((node, env))
+    return kept
+
+
 def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
-                    now: datetime | None = None) -> IngestResult:
+                    now: datetime | None = None, receiver: str = "") -> IngestResult:
+    """`receiver`: the bridge storing the batch (its client id), which heartbeats are
+    claimed for (heartbeats_first_copy); "" applies every heartbeat."""
     now = now or timezone.now()
     result = IngestResult()
     counts = result.counts
@@ -132,6 +159,9 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
         direction = Direction.RECV if match.node_id == node_id else Direction.OBSERVED
         rows.append(received_row(env, topic=item.topic, direction=direction, now=now))
 
+    if heartbeats:
+        heartbeats = heartbeats_first_copy(heartbeats=heartbeats, receiver=receiver,
+                                           counts=counts)
     if heartbeats:
         # Their own short transaction: they lock roster rows, which the message batch
         # should not hold while it waits for message rows (lock order, no deadlocks).

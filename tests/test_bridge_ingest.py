@@ -29,19 +29,19 @@ def test_it_shares_the_inbound_topics_on_an_mqtt5_broker():
     assert b._subscriptions() == [
         (BROKER_DROPPED_TOPIC, 0),  # each bridge's own: it computes drops from its last total
         PROBE,
-        ("$share/reach-g/p/heartbeat/+", 0),
         ("$share/reach-g/p/node/+/inbox", 1),
+        ("p/heartbeat/+", 0),  # every bridge hears every heartbeat: none lost with a member
         ("p/node/console/inbox", 1),  # plain too: survives a broker restart
     ]
-    # What an earlier single-mode run of this session may have left.
-    assert b._stale_filters() == ["p/heartbeat/+", "p/node/+/inbox"]
+    # What an earlier single-mode run of this session may have left, and the shared
+    # heartbeat filter of an earlier version.
+    assert b._stale_filters() == ["p/node/+/inbox", "$share/reach-g/p/heartbeat/+"]
 
 
-def test_without_monitor_only_the_heartbeats_are_shared():
+def test_without_monitor_nothing_is_shared_but_the_bridges_each_hear_every_heartbeat():
     b = bridge(monitor=False)
     b._ingest_mode_decide()
-    assert b._subscriptions() == [(BROKER_DROPPED_TOPIC, 0), PROBE,
-                                  ("$share/reach-g/p/heartbeat/+", 0),
+    assert b._subscriptions() == [(BROKER_DROPPED_TOPIC, 0), PROBE, ("p/heartbeat/+", 0),
                                   ("p/node/console/inbox", 1)]
 
 

@@ -126,6 +126,26 @@ def test_a_heartbeat_renews_leases_records_load_and_reports_conflicts(now):
     assert Message.objects.count() == 0  # heartbeats renew the roster; they are not rows
 
 
+def test_each_heartbeat_is_applied_by_the_first_bridge_that_claims_it(now):
+    """Every bridge hears every heartbeat (messages/bridge.py): one applies it, the others
+    count a copy; the claimer retrying its batch after an outage still applies it."""
+    register("fin.tax", "node-b", now=now)
+    beat = protocol.new_envelope(
+        message_type=MT.HEARTBEAT, from_agent_id="node-b", headers={"originNodeId": "node-b"},
+        payload={"heartbeatMs": 5000, "agents": [{"agentId": "fin.tax", "inflight": 2}]})
+    item = [Incoming(protocol.heartbeat_topic(PREFIX, "node-b"), wire(beat))]
+
+    def by(receiver: str):
+        return messages_ingest(batch=item, node_id=NODE, prefix=PREFIX, receiver=receiver).counts
+
+    first = by("bridge-1")
+    assert (first["heartbeats"], first["heartbeat_copies"]) == (1, 0)
+    assert by("bridge-1")["heartbeats"] == 1  # its own claim: a retried batch applies it
+    second = by("bridge-2")
+    assert (second["heartbeats"], second["heartbeat_copies"]) == (0, 1)
+    assert Agent.objects.get(agent_id="fin.tax").inflight == 2
+
+
 def test_the_same_message_id_twice_is_one_row():
     env = request("fin.other")
     first = ingest((inbox(), wire(env)))

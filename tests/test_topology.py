@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -582,6 +583,49 @@ def test_a_bridge_killed_mid_burst_loses_nothing(stack, publisher):
     assert rows < len(ids)
     stack.start("worker2")
     assert _all_stored(stack, ids) == (1500, 1500)
+
+
+def _heartbeats_applied(stack: Stack) -> float:
+    with urllib.request.urlopen(f"{stack.base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = re.search(r"^reach_heartbeats_total (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_every_heartbeat_reaches_a_live_bridge_whatever_the_other_does(stack, publisher):
+    """A bridge that stopped keeps its persistent session; were the heartbeats a shared
+    subscription, its share (QoS 0) would be lost while it is away. Each bridge hears them
+    all and the first applies each: 20 heartbeats are 20 applied, with both bridges up, with
+    one stopped cleanly, and with one killed."""
+    topic = protocol.heartbeat_topic(stack.prefix, "node-hb")
+
+    def beats(n: int) -> float:
+        before = _heartbeats_applied(stack)
+        for _ in range(n):
+            env = protocol.new_envelope(message_type=MT.HEARTBEAT, from_agent_id="node-hb",
+                                        headers={"originNodeId": "node-hb"},
+                                        payload={"heartbeatMs": 1000, "agents": []})
+            publisher.client.publish(topic, protocol.encode(env), qos=0)
+            time.sleep(0.05)
+        _wait(lambda: _heartbeats_applied(stack) - before >= n, 20,
+              f"{n} heartbeats applied", interval=0.5)
+        time.sleep(2)  # copies that would be applied twice have arrived by now
+        return _heartbeats_applied(stack) - before
+
+    try:
+        assert beats(20) == 20, "both bridges up"
+        stack.kill("worker2", signal.SIGTERM)  # a clean stop: its session stays
+        assert beats(20) == 20, "one bridge stopped cleanly"
+        offset = stack.log_offsets()
+        stack.start("worker2")
+        _wait(lambda: "MQTT bridge connected" in stack.log_text("worker2", offset), 30,
+              "the second bridge back")
+        time.sleep(1)  # subscribed
+        stack.kill("worker2")  # SIGKILL
+        assert beats(20) == 20, "one bridge killed"
+    finally:
+        if stack.procs["worker2"].poll() is not None:
+            stack.start("worker2")
 
 
 def test_without_shared_subscriptions_one_bridge_ingests_and_a_standby_takes_over(stack):
