@@ -17,6 +17,7 @@ import json
 import logging
 import queue
 import random
+import secrets
 import socket
 import threading
 import time
@@ -67,7 +68,7 @@ from messages.rows import envelope_from_row
 from messages.state import Change, changes_apply, late_pubacks_record
 from reachconsole.core.logs import log_fields
 from reachconsole.core.metrics import LocalCounter
-from roster.hearing import PROBE_EVERY_S, PROBE_GAP_S, hearing_lost, hearing_record
+from roster.hearing import PROBE_EVERY_S, hearing_lost, hearing_record
 from roster.services import agent_register, heartbeat_record
 
 log = logging.getLogger(__name__)
@@ -98,13 +99,16 @@ class _Received:
 @dataclass(frozen=True, slots=True)
 class _Probe:
     """Our own probe, back through the broker (roster/hearing.py): once everything received
-    before it is stored, the console has heard the bus up to `sent_at`."""
-    sent_at: datetime
-    generation: int
+    before it is stored, the console has heard the bus up to when probe `seq` was sent. Its
+    send time is kept by the bridge, never read from the payload (which anyone allowed on
+    the topic could write)."""
+    nonce: str
+    seq: int
 
 
 _WAKE = object()  # wakes the owner thread: confirms are waiting, or the outbox has work
 HEARING_EVERY_S = 1.0
+PROBES_KEPT = 200  # probes awaited at most (100 s of them): older ones are given up
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,13 +129,9 @@ def _response_waits_for(row: Message) -> str:
 def _probe_decode(payload: bytes) -> _Probe | None:
     try:
         data = json.loads(payload)
-        sent_at = datetime.fromisoformat(data["sentAt"])
-        generation = int(data["generation"])
+        return _Probe(str(data["nonce"]), int(data["seq"]))
     except (ValueError, TypeError, KeyError):
         return None
-    if sent_at.tzinfo is None:
-        return None
-    return _Probe(sent_at, generation)
 
 
 def _log_fields_of(payload: bytes) -> dict[str, str]:
@@ -236,10 +236,18 @@ class Bridge:
         self._hearing = False
         self._last_hearing = 0.0
         # The chain of probes back (owner thread): hearing without a gap from `since` up to
-        # `through`, on connection `generation`. None: no proof since the last break.
-        self._heard: tuple[datetime, datetime, int] | None = None
+        # `through`, the last probe in it `seq`, sent under `nonce`. None: no proof since the
+        # last break.
+        self._heard: tuple[datetime, datetime, int, str] | None = None
+        # Renewed (by paho's thread) each time the broker grants what this bridge must hear:
+        # only probes sent after that prove anything.
+        self._probe_nonce = ""
+        self._probe_seq = 0
+        self._probes_out: collections.OrderedDict[int, tuple[str, datetime]] = (
+            collections.OrderedDict())  # seq → (nonce, send time), until it comes back
         self._last_probe = 0.0  # monotonic, when the owner last sent one
         self._probe_back = 0.0  # monotonic, when paho last took one back (any thread)
+        self._waiting_since = 0.0  # monotonic, the first probe sent since one came back
         self._last_db_warning = 0.0
         self._stop = threading.Event()
         self._owner: threading.Thread | None = None
@@ -499,6 +507,10 @@ class Bridge:
             self._sync_subscriptions(self._client, then_listen=True)
             return
         self._ingesting = held
+        # What it hears changes: no proof until the broker has granted the new subscriptions
+        # (the SUBACK renews the probe nonce), or the time before would count as heard.
+        self._heard = None
+        self.listening.clear()
         if held:
             # It says it hears the bus on the next turn after the SUBACK (_on_subscribe), not
             # up to a second later: readiness and /metrics should not lag the ingest.
@@ -573,6 +585,7 @@ class Bridge:
                 deaf = [topic for topic, rc in zip(awaited[1], reason_codes, strict=False)
                         if getattr(rc, "is_failure", False) and topic != BROKER_DROPPED_TOPIC]
                 if not deaf:  # (refused inbound filters are logged below)
+                    self._probe_nonce = secrets.token_hex(8)  # a new chain from here
                     self.listening.set()
                     self._last_hearing = 0.0  # say so on the owner's next turn
         refused = [rc for rc in reason_codes if getattr(rc, "is_failure", False)]
@@ -619,6 +632,7 @@ class Bridge:
         was_connected = self.connected.is_set()
         self.connected.clear()
         self.listening.clear()
+        self._probe_nonce = ""  # nothing of this connection proves anything any more
         # Closed within seconds of every CONNACK: what a broker does to the older of two
         # clients with one id, saying why only in MQTT 5 (142) and not always then.
         lasted = time.monotonic() - self._connected_at if was_connected else None
@@ -760,45 +774,58 @@ class Bridge:
 
     # --- hearing: the probe ---------------------------------------------------------------------
     def _probe_send(self, now: float) -> None:
-        """Owner thread: send the next probe, and call the connection dead when none has come
-        back for the keepalive (a connection that stalls without closing: paho alone would
-        wait up to two keepalives, and the broker 1.5, with everything in between lost)."""
+        """Owner thread: send the next probe, and call the connection dead when one sent a
+        keepalive ago has still not come back (a connection that stalls without closing:
+        paho alone would wait up to two keepalives, and the broker 1.5). Not while the owner
+        is behind (paho then stops reading, probes included), and not for time it spent away
+        (a database outage): only a probe that was sent and never answered counts."""
         client = self._client
-        if client is None:
+        if client is None or not self._probe_nonce:
             return
-        since_back = now - max(self._probe_back, self._connected_at)
-        if since_back >= self.keepalive_s:
-            self.counts["probe_timeouts"] += 1
-            log.error("no probe came back through the MQTT broker for %.0f s "
-                      "(MQTT_KEEPALIVE_S=%d): the connection is dead though open; reconnecting",
-                      since_back, self.keepalive_s)
-            self._probe_back = now  # one reconnect per keepalive, not one per turn
-            sock = client.socket()
-            if sock is not None:
-                try:
-                    # paho's network thread sees the connection end and reconnects as after
-                    # any loss; a disconnect() would wait on the dead socket instead.
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        if self._probe_back >= self._waiting_since:
+            self._waiting_since = now  # everything before this one came back
+        waited = now - max(self._waiting_since, self._connected_at)
+        if waited >= self.keepalive_s and self._work.qsize() < self.batch:
+            self._connection_dead(client, waited)
             return
-        payload = json.dumps({"sentAt": timezone.now().isoformat(),
-                              "generation": self.generation}).encode()
+        self._probe_seq += 1
+        self._probes_out[self._probe_seq] = (self._probe_nonce, timezone.now())
+        while len(self._probes_out) > PROBES_KEPT:
+            self._probes_out.popitem(last=False)
+        payload = json.dumps({"nonce": self._probe_nonce, "seq": self._probe_seq}).encode()
         client.publish(self.probe_topic, payload, qos=0)
+
+    def _connection_dead(self, client: mqtt.Client, waited: float) -> None:
+        self.counts["probe_timeouts"] += 1
+        log.error("no probe came back through the MQTT broker for %.0f s (MQTT_KEEPALIVE_S=%d):"
+                  " the connection is dead though open; reconnecting", waited, self.keepalive_s)
+        self._waiting_since = time.monotonic()  # one reconnect per keepalive, not per turn
+        self._probe_nonce = ""  # the next SUBACK starts the next chain
+        sock = client.socket()
+        if isinstance(sock, socket.socket):
+            try:
+                # paho's network thread sees the connection end and reconnects as after any
+                # loss; a disconnect() would wait on the dead socket. The plain socket's
+                # shutdown, even under TLS: SSLSocket.shutdown unwraps the TLS layer under
+                # paho's reading thread instead of letting it see the end of the stream.
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _probes_back(self, probes: list[_Probe]) -> None:
         """Owner thread, after the ingest of what came with them: extend the chain, or start
-        a new one after a gap or on a new connection (what was published in between may be
-        gone: QoS 0 heartbeats are not kept for a disconnected client)."""
+        a new one. Only probes this bridge sent since the broker last granted its
+        subscriptions count; one missing (QoS 0 dropped: so may heartbeats have been) breaks
+        the chain, as does a new connection (what was published in between may be gone)."""
         for probe in probes:
-            if probe.generation != self.generation:
-                continue  # sent on an earlier connection
+            sent = self._probes_out.pop(probe.seq, None)
+            if sent is None or sent[0] != probe.nonce or probe.nonce != self._probe_nonce:
+                continue  # not ours, or from before the subscriptions it proves
             heard = self._heard
-            gap = timedelta(seconds=PROBE_GAP_S)
-            if heard is None or heard[2] != probe.generation or probe.sent_at - heard[1] > gap:
-                self._heard = (probe.sent_at, probe.sent_at, probe.generation)
-            elif probe.sent_at > heard[1]:
-                self._heard = (heard[0], probe.sent_at, heard[2])
+            if heard is None or heard[3] != probe.nonce or probe.seq != heard[2] + 1:
+                self._heard = (sent[1], sent[1], probe.seq, probe.nonce)
+            else:
+                self._heard = (heard[0], sent[1], probe.seq, probe.nonce)
 
     def _report_hearing(self) -> None:
         """Whether the console hears the bus decides whether leases may run out, and up to
@@ -807,7 +834,7 @@ class Bridge:
         reported, leases could run out while nobody ingests their heartbeats."""
         heard = self._heard
         if (self.connected.is_set() and self._ingesting and self.listening.is_set()
-                and heard is not None and heard[2] == self.generation):
+                and heard is not None and heard[3] == self._probe_nonce):
             hearing_record(instance=self.client_id, since=heard[0], through=heard[1])
             self._hearing = True
         elif self._hearing:

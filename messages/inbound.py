@@ -17,6 +17,7 @@ One transaction per batch; the bridge acknowledges the batch to the broker after
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -104,13 +105,22 @@ def heartbeats_first_copy(*, heartbeats: list[tuple[str, protocol.Envelope]], re
     applying heartbeats of the same nodes take their rows in one order."""
     kept = []
     for node, env in sorted(heartbeats, key=lambda item: item[0]):
-        key = f"hb-seen:{env.message_id}"[:200]
-        if receiver and not cache.add(key, receiver, timeout=HEARTBEAT_SEEN_S) and (
-                cache.get(key) != receiver):
+        if receiver and not _heartbeat_claim(node, env.message_id, receiver, counts):
             counts["heartbeat_copies"] += 1
             continue
         kept.append((node, env))
     return kept
+
+
+def _heartbeat_claim(node: str, message_id: str, receiver: str, counts: Counter) -> bool:
+    # Cache keys have a length and alphabet limit; message ids are the sender's text.
+    key = "hb-seen:" + hashlib.sha256(f"{node}\x00{message_id}".encode()).hexdigest()
+    try:
+        return (cache.add(key, receiver, timeout=HEARTBEAT_SEEN_S)
+                or cache.get(key) == receiver)
+    except Exception:  # the cache is down: a heartbeat applied twice does no harm
+        counts["heartbeat_claims_unavailable"] += 1
+        return True
 
 
 def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,

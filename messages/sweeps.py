@@ -166,7 +166,7 @@ def _past_deadline(now: datetime, result: SweepResult) -> list[dict]:
     # PUBACK is recorded): it only leaves the deadline index.
     Message.objects.filter(deadline_at__lt=now, status__in=list(OPEN_STATUSES - {Status.SENT})
                            ).exclude(message_type="TASK_REQUEST").update(deadline_at=None)
-    deaf = _heard_through(now) is None
+    through = _heard_through(now)
     due = (Message.objects.select_for_update(skip_locked=True)
            .filter(status__in=[*OPEN_STATUSES, Status.OBSERVED], deadline_at__lt=now)
            .order_by("deadline_at"))
@@ -175,11 +175,14 @@ def _past_deadline(now: datetime, result: SweepResult) -> list[dict]:
     # between other nodes is judged only while the console hears the bus: its silence would
     # otherwise be counted as theirs, and raise their agents' alarms.
     rows = list(due.exclude(direction=Direction.OBSERVED)[:SWEEP_BATCH])
-    if not deaf:
-        rows += list(due.filter(direction=Direction.OBSERVED)[:SWEEP_BATCH])
+    if through is not None:
+        rows += list(due.filter(direction=Direction.OBSERVED, deadline_at__lt=through)
+                     [:SWEEP_BATCH])
     changes = []
     for row in rows:
         status, words = _deadline_words(row)
+        # Deaf for this row: the console has no proof it heard up to its deadline.
+        deaf = through is None or row.deadline_at > through
         if deaf and row.status in (Status.PUBLISHED, Status.ACKED, Status.OBSERVED):
             words += ("; the console could not hear the bus meanwhile, so the answer may "
                       "only be late (a late response still completes it)")

@@ -10,9 +10,10 @@ The proof is a probe: each bridge publishes a small message to a topic of its ow
 `PROBE_EVERY_S` and takes it back through its subscriptions, in the same queue as everything
 else it receives (messages/bridge.py). When the owner thread has stored everything that
 arrived before a probe, the console has heard the bus up to the moment that probe was sent:
-that moment is the bridge's `heard_at` ("through"). A chain of probes with no gap longer than
-`PROBE_GAP_S` is one hearing period (`hearing_since` .. `heard_at`); a missing probe, a
-reconnect or a restart starts a new one. So an open socket that carries nothing, or a
+that moment is the bridge's `heard_at` ("through"). An unbroken chain of probes (numbered,
+sent on one connection after the broker granted its subscriptions) is one hearing period
+(`hearing_since` .. `heard_at`); a missing probe, a reconnect, a change of what the bridge
+subscribes to or a restart starts a new one. So an open socket that carries nothing, or a
 bridge whose writes do not commit, does not count as hearing.
 
 Judgments are made at the console's "heard through" time, never at the wall clock: a lease
@@ -33,10 +34,8 @@ from django.utils import timezone
 
 from roster.models import BusHearing
 
-# How often a bridge sends its probe, and the longest gap between two probes back that still
-# counts as hearing without a break (three probes lost in a row: not hearing).
+# How often a bridge sends its probe.
 PROBE_EVERY_S = 0.5
-PROBE_GAP_S = 1.5
 # Readiness and the pages: a bridge whose proof is older than this does not hear the bus now
 # (its probes lag at most about a second behind on a healthy connection).
 HEARING_FRESH_S = 3.0
@@ -89,14 +88,14 @@ def hearing_lost(*, instance: str) -> None:
 
 def periods_join(periods: list[tuple[datetime, datetime]]) -> tuple[datetime, datetime] | None:
     """The unbroken stretch, out of several bridges' periods, that reaches the latest proof:
-    two bridges that overlap are one stretch of hearing; a bridge that stopped hearing long
-    ago does not lengthen it."""
+    two bridges that overlap are one stretch of hearing; a bridge whose proof ends before the
+    stretch begins does not lengthen it (the time between was heard by nobody)."""
     if not periods:
         return None
     periods = sorted(periods, key=lambda p: p[1], reverse=True)
     since, through = periods[0]
     for start, end in periods[1:]:
-        if end >= since - timedelta(seconds=PROBE_GAP_S):
+        if end >= since:
             since = min(since, start)
     return since, through
 

@@ -5,11 +5,13 @@ everything on real services, are in tests/test_topology.py."""
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 
-from messages.bridge import BROKER_DROPPED_TOPIC, Bridge
+from messages.bridge import BROKER_DROPPED_TOPIC, Bridge, _Probe
 from messages.ingest_lock import IngestLock
 
 
@@ -102,3 +104,20 @@ def test_one_bridge_at_a_time_holds_the_ingest_lock():
     finally:
         first.release()
         second.release()
+
+
+def test_the_chain_of_probes_breaks_on_a_missing_one_and_trusts_only_its_own():
+    """roster/hearing.py: the send times are the bridge's own record; a probe missing (a
+    QoS 0 drop: heartbeats may have gone too) starts a new period; a probe it did not send,
+    or sent before the broker granted its current subscriptions, proves nothing."""
+    b = bridge()
+    b._probe_nonce = "now"
+    t = [timezone.now() + timedelta(seconds=i) for i in range(6)]
+    b._probes_out.update({1: ("now", t[0]), 2: ("now", t[1]), 4: ("now", t[3]),
+                          5: ("before", t[4])})
+    b._probes_back([_Probe("now", 1), _Probe("now", 2)])
+    assert b._heard[:2] == (t[0], t[1])
+    b._probes_back([_Probe("now", 9), _Probe("before", 5), _Probe("now", 5)])
+    assert b._heard[:2] == (t[0], t[1])  # forged, from before, or not ours: nothing
+    b._probes_back([_Probe("now", 4)])  # 3 never came back
+    assert b._heard[:2] == (t[3], t[3])

@@ -56,6 +56,10 @@ def test_overlapping_bridges_are_one_stretch_and_an_old_one_does_not_lengthen_it
     bus_heard(since=later(now, 90_000), until=later(now, 120_000), instance="b2")
     assert bus_hearing(now=later(now, 120_000)) == Hearing(since=later(now, 90_000),
                                                           through=later(now, 120_000))
+    # Nobody heard the half second between b1's last proof and b2's first: no one stretch.
+    bus_heard(since=later(now, 0), until=later(now, 60_000), instance="b1")
+    bus_heard(since=later(now, 60_500), until=later(now, 120_000), instance="b2")
+    assert bus_hearing(now=later(now, 120_000)).since == later(now, 60_500)
 
 
 def test_silence_is_judged_at_the_proof_not_at_the_clock(now):
@@ -131,6 +135,18 @@ def test_a_deadline_that_passes_while_deaf_ends_the_row_without_blaming_the_agen
     assert row.error == ("acknowledged, no response within 5000 ms; the console could not "
                          "hear the bus meanwhile, so the answer may only be late (a late "
                          "response still completes it)")
+
+
+def test_a_deadline_after_the_proof_ends_the_row_with_the_words_of_deafness(now):
+    """A stalled connection: the proof stops before the deadline, the clock passes it."""
+    register("fin.tax", "node-b", now=now)
+    row = message_send(request=SendRequest(to="fin.tax", timeout_ms=5000), now=now)
+    Message.objects.filter(pk=row.pk).update(status=Status.ACKED, publish_at=None)
+    bus_heard(since=later(now, -60_000), until=later(now, 2000))
+    deliveries_sweep(now=later(now, 6000))
+    row.refresh_from_db()
+    assert row.status == Status.EXPIRED
+    assert "the console could not hear the bus meanwhile" in row.error
 
 
 def test_a_console_without_a_bridge_can_judge_by_the_clock(now, settings):
