@@ -47,10 +47,9 @@ def _heard_through(now: datetime) -> datetime | None:
     moment up to which the console has proof it heard the bus, once it has heard for one
     ACK timeout; None while it has not."""
     hearing = bus_hearing(now=now)
-    if hearing is None or not hearing.heard_for(
-            timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS)):
+    if hearing is None:
         return None
-    return hearing.through
+    return hearing.through_once_heard_for(timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS))
 
 
 def _overdue(now: datetime, result: SweepResult) -> list[dict]:

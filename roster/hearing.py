@@ -58,12 +58,15 @@ class Hearing:
         """What was last heard before this has been silent for `window` of time the console
         heard: `through - window`. None while the console has not heard for `window` (it
         cannot tell anyone's silence from its own deafness)."""
-        if self.since > self.through - window:
-            return None
-        return self.through - window
+        return self.through - window if self.heard_for(window) else None
 
     def heard_for(self, window: timedelta) -> bool:
         return self.since <= self.through - window
+
+    def through_once_heard_for(self, window: timedelta) -> datetime | None:
+        """Up to when anything may be judged, once the console has heard for `window`
+        (a lease TTL, an ACK timeout): `through`, else None."""
+        return self.through if self.heard_for(window) else None
 
 
 def hearing_record(*, instance: str, since: datetime, through: datetime) -> None:
@@ -117,13 +120,6 @@ def bus_hearing(*, now: datetime | None = None) -> Hearing | None:
         hearing = Hearing(since=joined[0], through=min(joined[1], now))
     _memo = (now, time.monotonic(), hearing)
     return hearing
-
-
-def silence_cutoff(*, window: timedelta, now: datetime | None = None) -> datetime | None:
-    """Whatever was last heard before this has been silent for `window` of heard time
-    (`Hearing.cutoff`), or None when the console cannot tell yet."""
-    hearing = bus_hearing(now=now)
-    return hearing.cutoff(window) if hearing is not None else None
 
 
 def bridges_hearing(*, now: datetime | None = None) -> list[BusHearing]:

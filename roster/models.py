@@ -45,10 +45,9 @@ def lapse_cutoff(hearing) -> datetime | None:
     proof it heard the bus (roster.hearing). None until it has heard for one full lease TTL:
     an outage of the console never ends an agent's lease, and after it every agent gets a
     whole TTL to be heard."""
-    if hearing is None or not hearing.heard_for(
-            timedelta(milliseconds=settings.REACH_LEASE_TTL_MS)):
+    if hearing is None:
         return None
-    return hearing.through
+    return hearing.through_once_heard_for(timedelta(milliseconds=settings.REACH_LEASE_TTL_MS))
 
 
 def _hearing(now: datetime):
