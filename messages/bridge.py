@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -42,7 +42,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from directory.resolver import LOCAL_AGENTS
-from messages import protocol
+from messages import protocol, signing
 from messages.broker_caps import REFRESH_S, SYS_WAIT_S, broker_caps_record, connack_caps
 from messages.delivery import ack_deadline
 from messages.events import events_on_commit
@@ -64,7 +64,7 @@ from messages.outbox import (
     outbox_subscribe,
     outbox_unsubscribe,
 )
-from messages.rows import envelope_from_row
+from messages.rows import row_encode
 from messages.state import Change, changes_apply, late_pubacks_record
 from reachconsole.core.logs import log_fields
 from reachconsole.core.metrics import LocalCounter
@@ -94,6 +94,7 @@ class _Received:
     mid: int
     qos: int
     generation: int
+    received_at: float = 0.0  # time.time() when paho handed it over
 
 
 @dataclass(frozen=True, slots=True)
@@ -665,7 +666,7 @@ class Bridge:
                 self.counts["probe_malformed"] += 1
             return
         self._work.put(_Received(message.topic, message.payload, message.mid, message.qos,
-                                 self.generation))
+                                 self.generation, time.time()))
 
     def _broker_dropped(self, payload: bytes) -> None:
         """Mosquitto's count of messages it dropped (queues full, clients too slow): the only
@@ -876,7 +877,9 @@ class Bridge:
         # One message through two of our subscriptions (the own inbox, plain and shared)
         # comes twice, usually in one batch: stored once, answered once. Every copy is
         # still acknowledged after the commit.
-        batch = list(dict.fromkeys(Incoming(r.topic, r.payload) for r in received))
+        batch = list(dict.fromkeys(
+            Incoming(r.topic, r.payload, datetime.fromtimestamp(r.received_at, tz=UTC))
+            for r in received))
         attempt = 0
         while True:
             try:
@@ -950,8 +953,7 @@ class Bridge:
         released: list[str] = []
         for row in rows:
             try:
-                data = protocol.encode(envelope_from_row(row),
-                                       max_bytes=settings.REACH_MAX_MESSAGE_BYTES)
+                data = row_encode(row)
             except (ValueError, TypeError) as exc:
                 failed.append(Change(pk=row.pk, to=Status.FAILED,
                                      allowed=frozenset({Status.SENT}), actor="bridge",
@@ -1058,8 +1060,10 @@ class Bridge:
             payload={"heartbeatMs": int(self.heartbeat_s * 1000), "agents": agents},
         )
         if self._client is not None:
+            keyring = signing.keyring_for(settings.REACH_SIGNING_KEYS)
+            key = keyring.signing_key(self.node_id) if keyring else None
             self._client.publish(protocol.heartbeat_topic(self.prefix, self.node_id),
-                                 protocol.encode(env), qos=0)
+                                 protocol.encode(env, key=key), qos=0)
         try:
             connection_keep()
             # Our own heartbeat comes back as an echo and is dropped: renew directly.

@@ -30,7 +30,7 @@ from django.core.cache import cache
 from django.db import transaction
 from django.utils import timezone
 
-from messages import protocol
+from messages import protocol, signing
 from messages.delivery import retry_or_give_up
 from messages.events import events_on_commit, message_events
 from messages.handlers import LOCAL_HANDLERS
@@ -50,12 +50,19 @@ from messages.rows import (
 from messages.state import Change, Heard, atomic_retrying, changes_apply, messages_insert_new
 from roster.errors import RosterError
 from roster.models import NODE_ID_RE
-from roster.services import agent_id_parse, agents_drain_for_node, heartbeat_record
+from roster.services import (
+    agent_id_parse,
+    agents_drain_for_node,
+    heartbeat_record,
+    nodes_signature_refused,
+)
 
 log = logging.getLogger(__name__)
 MT = protocol.MessageType
 # What the console answers when it is asked (and acknowledges as a duplicate when repeated).
 REQUESTS = frozenset({MT.TASK_REQUEST, MT.DRAIN, MT.CANCEL})
+# What moves a request of ours or one observed on the bus.
+ANSWERS = frozenset({MT.ACK, MT.NACK, MT.BUSY, MT.TASK_RESPONSE})
 
 # An answered transmission leaves the ack-deadline index (the sweep costs what is due).
 ANSWERED_FIELDS = {"ack_deadline_at": None}
@@ -73,7 +80,9 @@ def _log_once_a_minute(reason: str, detail: str) -> None:
 class Incoming:
     topic: str
     payload: bytes
-    received_at: datetime | None = None
+    # When the bridge was handed it: a heartbeat's age is judged then, not when a batch held
+    # up by a database outage is stored. Not part of its identity (copies are stored once).
+    received_at: datetime | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -123,6 +132,54 @@ def _heartbeat_claim(node: str, message_id: str, receiver: str, counts: Counter)
         return True
 
 
+def _heartbeat_verdict(env: protocol.Envelope, node: str, *, now: datetime
+                       ) -> signing.Verdict:
+    """A heartbeat speaks for the node of its topic; signed, it must also be fresh (it is
+    not stored, so its messageId does not stop a replay for long)."""
+    keyring = signing.keyring_for(settings.REACH_SIGNING_KEYS)
+    if not keyring:
+        return signing.UNCHECKED
+    verdict = env.signature_check(node_id=node, keyring=keyring)
+    if verdict.signed:
+        return signing.heartbeat_age_check(timestamp=env.timestamp,
+                                           now_ms=int(now.timestamp() * 1000)) or verdict
+    return verdict
+
+
+def _signature_judge(row: ReceivedRow, env: protocol.Envelope, *, refusals: dict[str, str],
+                     counts: Counter) -> None:
+    """An answer, or a request to the console, speaks for its headers.originNodeId: whether
+    its signature lets it change anything (docs/protocol.md "Signatures"). A refusal is
+    written on the row itself, where its trace shows it."""
+    keyring = signing.keyring_for(settings.REACH_SIGNING_KEYS)
+    speaker = env.origin_node_id
+    if not keyring or (not speaker and env.message_type in ANSWERS):
+        return  # nothing to check with; an answer without an origin is refused for that
+    if speaker:
+        verdict = env.signature_check(node_id=speaker, keyring=keyring)
+    else:
+        verdict = signing.Verdict("no_origin", "it names no headers.originNodeId, so no "
+                                  "signature can say which node sent it")
+    refusal = signing.signature_refusal(verdict, strict=settings.REACH_REQUIRE_SIGNED)
+    if not refusal:
+        return
+    row.signature_refused = refusal
+    if env.message_type in ANSWERS:
+        row.error = f"not accepted, changed nothing: {refusal}"
+    _signature_refused(refusals, node=speaker or "", what=f"a {env.message_type}",
+                       verdict=verdict, words=refusal, counts=counts)
+
+
+def _signature_refused(refusals: dict[str, str], *, node: str, what: str,
+                       verdict: signing.Verdict, words: str, counts: Counter) -> None:
+    code = verdict.code if verdict.refused else "unsigned"
+    counts[f"rejected:signature_{code}"] += 1
+    _log_once_a_minute(f"signature_{code}", f"{what} speaking for node {node or '(none)'}: "
+                       f"{words}")
+    if node:
+        refusals[node] = f"{what}: {words}"[:300]
+
+
 def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
                     now: datetime | None = None, receiver: str = "") -> IngestResult:
     """`receiver`: the bridge storing the batch (its client id), which heartbeats are
@@ -132,6 +189,8 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
     counts = result.counts
     rows: list[ReceivedRow] = []
     heartbeats: list[tuple[str, protocol.Envelope]] = []
+    signed: dict[int, bool] = {}  # by id() of a heartbeat's envelope: whether it was signed
+    refusals: dict[str, str] = {}  # node → why a message speaking for it was refused
     rejected: list[protocol.Rejection] = []  # requests to us the decoder refused
     for item in batch:
         match = protocol.parse_topic(prefix, item.topic)
@@ -164,25 +223,39 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
                 counts["rejected:invalid_node_id"] += 1
                 _log_once_a_minute("invalid_node_id", f"heartbeat on {item.topic[:200]}")
                 continue
+            verdict = _heartbeat_verdict(env, match.node_id, now=item.received_at or now)
+            refusal = signing.signature_refusal(verdict, strict=settings.REACH_REQUIRE_SIGNED)
+            if refusal:
+                _signature_refused(refusals, node=match.node_id, what="a heartbeat",
+                                   verdict=verdict, words=refusal, counts=counts)
+                continue
             heartbeats.append((match.node_id, env))
+            signed[id(env)] = verdict.signed
             continue
         direction = Direction.RECV if match.node_id == node_id else Direction.OBSERVED
-        rows.append(received_row(env, topic=item.topic, direction=direction, now=now))
+        row = received_row(env, topic=item.topic, direction=direction, now=now)
+        if env.message_type in ANSWERS or (direction == Direction.RECV
+                                           and env.message_type in REQUESTS):
+            _signature_judge(row, env, refusals=refusals, counts=counts)
+        rows.append(row)
 
     if heartbeats:
         heartbeats = heartbeats_first_copy(heartbeats=heartbeats, receiver=receiver,
                                            counts=counts)
-    if heartbeats:
+    if heartbeats or refusals:
         # Their own short transaction: they lock roster rows, which the message batch
         # should not hold while it waits for message rows (lock order, no deadlocks).
         with transaction.atomic():
             for hb_node, env in heartbeats:
                 try:
                     with transaction.atomic():  # one refused heartbeat leaves the others
-                        _heartbeat(hb_node, env, now=now, counts=counts)
+                        _heartbeat(hb_node, env, now=now, counts=counts,
+                                   signed=signed[id(env)])
                 except RosterError as exc:
                     counts["rejected:heartbeat_refused"] += 1
                     _log_once_a_minute("heartbeat_refused", f"from {hb_node}: {exc.detail}")
+            if refusals:
+                nodes_signature_refused(refused=refusals, now=now)
     # Before the batch, in transactions of their own: a DRAIN takes roster locks, which the
     # batch must not take while it holds message rows (messages/load.py, the lock order).
     # Its answer is written by the batch, so it leaves only after the drain committed.
@@ -316,12 +389,13 @@ def _retry_retryable_nacks(changes: list[Change], *, now: datetime) -> None:
             change.reason = f"{change.reason}; no retry: {why}"
 
 
-def _heartbeat(node_id: str, env: protocol.Envelope, *, now: datetime, counts: Counter) -> None:
+def _heartbeat(node_id: str, env: protocol.Envelope, *, now: datetime, counts: Counter,
+               signed: bool) -> None:
     payload = env.payload if isinstance(env.payload, dict) else {}
     agents = payload.get("agents") if isinstance(payload.get("agents"), list) else []
     beat_ms = payload.get("heartbeatMs")
     outcome = heartbeat_record(
-        node_id=node_id, agents=agents, now=now,
+        node_id=node_id, agents=agents, now=now, signed=signed,
         heartbeat_ms=beat_ms if isinstance(beat_ms, int) and beat_ms > 0 else None,
     )
     counts["heartbeats"] += 1
@@ -372,6 +446,13 @@ class _Acts:
 def _act(row: ReceivedRow, acts: _Acts) -> None:
     kind = row.message_type
     now = acts.now
+    if row.signature_refused:
+        # Recorded with its reason (the answer's own error, a request's NACK), counted, and
+        # nothing else: an unsigned answer is not acknowledged either (it was not accepted).
+        if row.direction == Direction.RECV and kind in REQUESTS and kind != MT.DRAIN:
+            _refuse(row, f"not run: {row.signature_refused}", acts)
+        if kind != MT.DRAIN:
+            return
     headers = row.headers or {}
     payload = row.wire_payload if isinstance(row.wire_payload, dict) else {}
     ack_for = headers.get("ackFor") if isinstance(headers.get("ackFor"), str) else None
@@ -516,7 +597,9 @@ def _drains_apply(rows: list[ReceivedRow], *, now: datetime, counts: Counter
     answers: dict[str, DrainAnswer] = {}
     for row in asked:
         if row.message_id not in seen and row.message_id not in answers:
-            answers[row.message_id] = _drain(row, now=now)
+            answers[row.message_id] = (
+                _drain_refused(f"nothing drained: {row.signature_refused}")
+                if row.signature_refused else _drain(row, now=now))
             counts[f"drains:{answers[row.message_id].message_type.lower()}"] += 1
     return answers
 

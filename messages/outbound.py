@@ -29,7 +29,7 @@ from messages.models import (
     Transition,
 )
 from messages.outbox import outbox_wake
-from messages.rows import envelope_from_row, local_response_row, request_row, row_log_fields
+from messages.rows import local_response_row, request_row, row_encode, row_log_fields
 from messages.state import atomic_retrying
 from reachconsole.core.audit import audit_record
 from reachconsole.core.errors import ConsoleError
@@ -269,7 +269,7 @@ def _request_row(request: SendRequest, *, to_agent_id: str, now: datetime) -> Me
     """The row for one send, refused (nothing written) when it cannot go on the wire."""
     row = request_row(request=request, to_agent_id=to_agent_id, now=now)
     try:
-        protocol.encode(envelope_from_row(row), max_bytes=settings.REACH_MAX_MESSAGE_BYTES)
+        row_encode(row)
     except protocol.PayloadTooLarge as exc:
         raise SendRefused(str(exc), code="payload_too_large", status=413) from None
     except (TypeError, ValueError) as exc:

@@ -1,9 +1,10 @@
 """The A2A wire contract (shared/PROTOCOL.md): envelope codec and MQTT topic names.
 
-Stdlib only and free of Django so that the MQTT bridge, the tests and any tool can use it
-without settings. ``decode`` sits on the bridge's hot path and is fed whatever arrives on
-the bus, so it never raises: every input ends as an ``Envelope`` or a ``Rejection`` whose
-``reason`` the caller counts and whose ``detail`` a person can act on.
+Free of Django (the standard library, and messages/signing.py for signatures) so that the
+MQTT bridge, the tests and any tool can use it without settings. ``decode`` sits on the
+bridge's hot path and is fed whatever arrives on the bus, so it never raises: every input
+ends as an ``Envelope`` or a ``Rejection`` whose ``reason`` the caller counts and whose
+``detail`` a person can act on.
 
 Numeric versions: ``"version": 1.0`` (a JSON number) is rejected as BAD_VERSION. The
 contract says the version is a string, and a number cannot tell ``1.10`` from ``1.1``;
@@ -21,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from messages import signing
 from reachconsole.core.jsonsafe import WORDS, unstorable
 
 PROTOCOL = "a2a"
@@ -125,6 +127,18 @@ class Envelope:
     headers: dict[str, Any] = field(default_factory=dict)  # camelCase keys, as on the wire
     payload: Any = None  # any JSON value
     version: str = VERSION
+    # As received (decode), not sent: the envelope's `signature`, and its `message` object
+    # as it came, which is what the signature covers (messages/signing.py).
+    signature: Any = field(default=None, compare=False, repr=False)
+    wire_message: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+
+    def signature_check(self, *, node_id: str, keyring: signing.Keyring) -> signing.Verdict:
+        """Whether this received message was signed with the key of `node_id`."""
+        if self.signature is None:
+            return signing.UNSIGNED
+        return signing.signature_check(message=self.wire_message or self.to_wire()["message"],
+                                       signature=self.signature, node_id=node_id,
+                                       keyring=keyring)
 
     # Header accessors read what a peer sent, so a value of the wrong type or an empty
     # string is treated as absent rather than trusted.
@@ -398,6 +412,8 @@ def _decode_fields(suspect: bool, doc: dict, message: dict, message_id: str,
         headers=headers,
         payload=message.get("payload"),
         version=version,
+        signature=doc.get("signature"),
+        wire_message=message,
         **fields,
     )
 
@@ -439,8 +455,9 @@ def _bad_field(message_id: str, wire: str, value: Any, expected: str) -> Rejecti
     )
 
 
-def encode(envelope: Envelope, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
-    """Compact UTF-8 JSON for the bus.
+def encode(envelope: Envelope, *, max_bytes: int = DEFAULT_MAX_BYTES,
+           key: signing.NodeKey | None = None) -> bytes:
+    """Compact UTF-8 JSON for the bus, signed with `key` when one is given.
 
     Raises PayloadTooLarge over ``max_bytes`` (never truncates), ValueError for an envelope
     that a receiver would reject or a payload holding NaN/Infinity, and TypeError for a
@@ -456,6 +473,8 @@ def encode(envelope: Envelope, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
     if envelope.message_type not in _TYPES_BY_VALUE:
         raise ValueError(f"messageType {envelope.message_type!r} is not one of {_TYPE_NAMES}")
     wire = envelope.to_wire()
+    if key is not None:
+        wire["signature"] = signing.signature_make(wire["message"], key)
     try:
         data = json.dumps(wire, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode(
             "utf-8"

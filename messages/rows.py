@@ -12,7 +12,7 @@ from typing import Any
 
 from django.conf import settings
 
-from messages import protocol
+from messages import protocol, signing
 from messages.models import Direction, Message, Status
 from reachconsole.core.logs import log_fields
 
@@ -32,6 +32,17 @@ def envelope_from_row(message: Message) -> protocol.Envelope:
         headers=dict(message.headers or {}),
         payload=message.payload,
     )
+
+
+def row_encode(message: Message) -> bytes:
+    """The bytes published for a row of ours: its envelope, signed with the key of the node
+    it goes to when the console holds keys (messages/signing.py). Raises as protocol.encode
+    does (PayloadTooLarge, ValueError, TypeError)."""
+    keyring = signing.keyring_for(settings.REACH_SIGNING_KEYS)
+    node = (protocol.inbox_node_of(message.topic or "") or message.target_node_id
+            or settings.REACH_NODE_ID)
+    return protocol.encode(envelope_from_row(message), max_bytes=settings.REACH_MAX_MESSAGE_BYTES,
+                           key=keyring.signing_key(node) if keyring else None)
 
 
 # A task's deadline when its request names no timeoutMs, and the longest the console keeps
@@ -188,6 +199,9 @@ class ReceivedRow:
     # Not a column: the payload as it came, which the inbound rules read (an OBSERVED row
     # may be stored without it).
     wire_payload: object = None
+    # Not a column: why its signature keeps it from changing anything ("" when nothing
+    # does; messages/signing.py), which the inbound rules read.
+    signature_refused: str = ""
 
 
 def received_row(env: protocol.Envelope, *, topic: str, direction: str, now: datetime

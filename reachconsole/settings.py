@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from messages.signing import keyring_parse
 from reachconsole.core.env import env_bool, env_float, env_int, env_list, env_str
 from reachconsole.core.tokens import tokens_parse
 
@@ -283,6 +284,20 @@ REACH_OUTBOX_CLAIM_S = env_float("REACH_OUTBOX_CLAIM_S", 10.0, minimum=1.0)
 REACH_OUTBOX_POLL_S = env_float("REACH_OUTBOX_POLL_S", 1.0, minimum=0.05)
 REACH_OUTBOX_BATCH = env_int("REACH_OUTBOX_BATCH", 500, minimum=1)
 REACH_MAX_MESSAGE_BYTES = env_int("REACH_MAX_MESSAGE_BYTES", 256 * 1024, minimum=1024)
+# Signed envelopes (messages/signing.py, docs/protocol.md "Signatures"): kid:secret pairs,
+# newest first; the first signs, all verify. Empty: nothing is signed or checked, and every
+# node's page says its traffic is unsigned. Strict: answers, heartbeats, DRAINs and requests
+# to the console's agents that are not signed by the node they speak for change nothing.
+REACH_SIGNING_KEYS = env_str("REACH_SIGNING_KEYS", "") or ""
+try:
+    keyring_parse(REACH_SIGNING_KEYS)
+except ValueError as exc:
+    raise ImproperlyConfigured(str(exc)) from None
+REACH_REQUIRE_SIGNED = env_bool("REACH_REQUIRE_SIGNED", False)
+if REACH_REQUIRE_SIGNED and not keyring_parse(REACH_SIGNING_KEYS):
+    raise ImproperlyConfigured("REACH_REQUIRE_SIGNED=1 needs REACH_SIGNING_KEYS (kid:secret, "
+                               "e.g. 2026-12:$(openssl rand -hex 32)): without a key nothing "
+                               "can be checked, and every node would be refused")
 # Readiness (reachconsole/health.py): /readyz answers 503 when, in a second of the last ten
 # with at least REACH_READY_MIN_TRANSMISSIONS task requests taken by the broker, fewer than
 # this share were answered (0 turns the check off). Shared by every console: all go 503 at once.

@@ -103,6 +103,13 @@ class ClusterNode(models.Model):
     consistency = models.CharField(max_length=8, choices=Consistency.choices,
                                    default=Consistency.UNKNOWN, editable=False)
     consistency_reason = models.CharField(max_length=300, blank=True, editable=False)
+    # Whether its traffic is signed (messages/signing.py): the last heartbeat taken with a
+    # signature that checks, the last taken without one, and the last message speaking for
+    # it that was refused for its signature, with the reason. Written by the bridge.
+    signed_at = models.DateTimeField(null=True, blank=True, editable=False)
+    unsigned_at = models.DateTimeField(null=True, blank=True, editable=False)
+    signature_refused_at = models.DateTimeField(null=True, blank=True, editable=False)
+    signature_refused = models.CharField(max_length=300, blank=True, editable=False)
 
     class Meta:
         ordering = ["node_id"]
@@ -113,6 +120,14 @@ class ClusterNode(models.Model):
 
     def __str__(self) -> str:
         return self.node_id
+
+    @property
+    def signing(self) -> str:
+        """What its last heartbeat said of its signing: "signed", "unsigned" or "" (none
+        heard since the console began to record it)."""
+        if self.signed_at and (not self.unsigned_at or self.signed_at >= self.unsigned_at):
+            return "signed"
+        return "unsigned" if self.unsigned_at else ""
 
     def seen_within(self, window: timedelta, now: datetime | None = None) -> bool:
         """Whether the node was heard from on the bus within `window` of `now`."""

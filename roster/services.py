@@ -732,9 +732,11 @@ def node_seen(
     url: str | None = None,
     heartbeat_ms: int | None = None,
     now: datetime | None = None,
+    signed: bool | None = None,
 ) -> ClusterNode:
     """Record that a node spoke on the bus (a heartbeat): last seen now, status ONLINE (from
-    REGISTERED, DOWN or ONLINE).
+    REGISTERED, DOWN or ONLINE). `signed`: whether the heartbeat carried a signature that
+    checks (None: not known, nothing recorded of it).
 
     Without a node authority (REACH_CLUSTER_NODES_URL) the heartbeat is the node's proof of
     life, so a node that was STALE or UNKNOWN for its silence is OK again at once; with
@@ -746,6 +748,8 @@ def node_seen(
         changes["url"] = url[:500]
     if heartbeat_ms is not None:
         changes["heartbeat_ms"] = heartbeat_ms
+    if signed is not None:
+        changes["signed_at" if signed else "unsigned_at"] = now
     live = {} if settings.REACH_CLUSTER_NODES_URL else {
         "consistency": Consistency.OK, "consistency_reason": f"node {node_id} is live"}
     with transaction.atomic():
@@ -760,6 +764,15 @@ def node_seen(
             except IntegrityError:  # created by a concurrent caller in between
                 ClusterNode.objects.filter(node_id=node_id).update(**changes)
     return ClusterNode.objects.get(node_id=node_id)
+
+
+def nodes_signature_refused(*, refused: dict[str, str], now: datetime | None = None) -> None:
+    """Messages speaking for these nodes were refused for their signature (node → why): the
+    node's page says so. Only nodes the roster knows: a forged node id creates nothing."""
+    now = now or timezone.now()
+    for node_id in sorted(refused):  # the order every node lock is taken in
+        ClusterNode.objects.filter(node_id=node_id).update(
+            signature_refused_at=now, signature_refused=refused[node_id][:300])
 
 
 DOWN_AFTER_HEARTBEATS = 3
@@ -850,6 +863,7 @@ def heartbeat_record(
     agents: list[dict[str, Any]],
     heartbeat_ms: int | None = None,
     now: datetime | None = None,
+    signed: bool | None = None,
 ) -> HeartbeatOutcome:
     """A node's heartbeat (PROTOCOL.md "Heartbeat"): the node is alive, and every listed
     agent the roster places on it gets a new lease and its reported load.
@@ -864,7 +878,7 @@ def heartbeat_record(
         if isinstance(agent_id, str) and agent_id:
             loads[agent_id.replace("/", ".", 1)] = item
     with transaction.atomic():
-        node = node_seen(node_id=node_id, heartbeat_ms=heartbeat_ms, now=now)
+        node = node_seen(node_id=node_id, heartbeat_ms=heartbeat_ms, now=now, signed=signed)
         # Locked in agent id order, like every multi-agent lock, so they cannot deadlock.
         rows = list(
             Agent.objects.select_for_update(of=("self",))

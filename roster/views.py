@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Protocol
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required, permission_required
 from django.core.cache import cache
@@ -215,6 +216,11 @@ def nodes(request: HttpRequest) -> HttpResponse:
         "nodes": node_list, "now": now, "run": last_reconciliation(),
         "can_reconcile": request.user.has_perm("roster.reconcile_cluster"),
         "can_manage": request.user.has_perm("roster.manage_node"),
+        # What a node's signing means here (messages/signing.py): whether the console checks
+        # signatures at all, and whether it refuses unsigned traffic.
+        "signing_keys": bool(settings.REACH_SIGNING_KEYS.strip()),
+        "signing_strict": settings.REACH_REQUIRE_SIGNED,
+        "console_node": settings.REACH_NODE_ID,  # its traffic is the console's own
     }
     if request.htmx and request.htmx.target == "nodes-live":
         return render(request, "roster/_nodes_live.html", context)

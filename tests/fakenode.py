@@ -32,7 +32,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from messages import protocol
+from messages import protocol, signing
 from messages.mqtt_client import broker_target, mqtt_client
 
 log = logging.getLogger(__name__)
@@ -52,13 +52,17 @@ class FakeNode:
     def __init__(self, *, base_url: str, token: str, mqtt_host: str, mqtt_port: int,
                  prefix: str, node_id: str, agents: list[str], max_inflight: int = 8,
                  work_s: float = 0.05, heartbeat_s: float = 2.0, session_expiry_s: int = 3600,
-                 source: str = "studio", workers: int = 16):
+                 source: str = "studio", workers: int = 16, key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.source = source
         self.mqtt_host, self.mqtt_port = mqtt_host, mqtt_port
         self.prefix = prefix
         self.node_id = protocol.validate_node_id(node_id)
+        # Its own signing key (`manage.py node_key`): it signs everything it sends, and
+        # checks what it receives (docs/protocol.md "Signatures"), counted in `verdicts`.
+        self.key = signing.node_key_parse(key, node_id=self.node_id) if key else None
+        self.verdicts: Counter = Counter()
         self.agents = list(agents)
         self.max_inflight = max_inflight
         self.work_s = work_s
@@ -200,7 +204,7 @@ class FakeNode:
         client = self._client
         if client is None:
             return
-        data = protocol.encode(env)
+        data = protocol.encode(env, key=self.key)
         with self._publish_lock:
             info = client.publish(topic or protocol.inbox_topic(self.prefix, to_node), data,
                                   qos=qos)
@@ -266,6 +270,12 @@ class FakeNode:
             self.received["rejected"] += 1
             return
         self.received[str(env.message_type)] += 1
+        if self.key is not None:
+            # What the console sends a node is signed with that node's own key.
+            verdict = signing.signature_check(
+                message=env.wire_message, signature=env.signature, node_id=self.node_id,
+                keyring=signing.OwnKey(self.key))
+            self.verdicts[verdict.code] += 1
         if env.message_type == MT.CANCEL:
             # PROTOCOL.md: a receiver that knows the type answers ACK; this node cannot stop
             # work already running, so it says so (its response still comes).

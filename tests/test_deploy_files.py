@@ -95,7 +95,9 @@ def test_it_runs_the_readme_commands_for_every_console_process(compose):
         assert env["DATABASE_URL"].startswith("postgres://") and "@postgres:5432/" in \
             env["DATABASE_URL"], name
         assert env["REDIS_URL"] == "redis://redis:6379/0", name
-        assert env["MQTT_URL"] == "mqtt://mosquitto:1883", name
+        # The console's own broker account: the shipped broker lets no anonymous client in.
+        assert env["MQTT_URL"] == ("mqtt://console:${MQTT_CONSOLE_PASSWORD:?set "
+                                   "MQTT_CONSOLE_PASSWORD}@mosquitto:1883"), name
         assert env["REACH_REQUIRE_SECRET_KEY"] == "1", name
         assert "REACH_BRIDGE_INSTANCE" not in env or programs.get(name) == "worker", name
 
@@ -267,3 +269,72 @@ def test_nginx_spreads_requests_over_two_daphnes_and_passes_websockets(tmp_path)
     assert served["a"] >= 2 and served["b"] >= 2, served
     assert status.startswith("HTTP/1.1 101"), status
     assert code == 4401
+
+
+@pytest.mark.skipif(not shutil.which("mosquitto_passwd"), reason="Mosquitto is not installed")
+def test_the_brokers_start_command_makes_the_accounts_that_then_get_in(compose):
+    """The mosquitto service's own command, run by sh with its three directories moved into a
+    temporary one (and the listener onto a free loopback port): it makes the console's
+    account and each node's from the environment, and the broker it then execs lets those in
+    and nobody anonymous."""
+    import tempfile
+
+    import paho.mqtt.client as mqtt
+
+    # Mosquitto drops to its own user, which must reach the files (pytest's tmp_path is 0700).
+    tmp_path = Path(tempfile.mkdtemp(prefix="reach-compose-broker-"))
+    tmp_path.chmod(0o755)
+    service = compose["services"]["mosquitto"]
+    moves = {"/etc/mosquitto/reach": tmp_path / "reach", "/mosquitto/config": tmp_path / "config",
+             "/var/lib/mosquitto": tmp_path / "data"}
+
+    def moved(text: str) -> str:
+        for old, new in moves.items():
+            text = text.replace(old, str(new))
+        return text
+
+    port = free_port()
+    (tmp_path / "config").mkdir()
+    conf = moved((DEPLOY / "mosquitto.conf").read_text(encoding="utf-8"))
+    conf = re.sub(r"^listener .*$", f"listener {port} 127.0.0.1", conf, flags=re.MULTILINE)
+    (tmp_path / "config" / "mosquitto.conf").write_text(conf, encoding="utf-8")
+    shutil.copy(DEPLOY / "mosquitto.acl", tmp_path / "config" / "mosquitto.acl")
+    for volume in service["volumes"]:  # every file the command reads is mounted
+        source, target = volume.split(":")[:2]
+        if source.startswith("./"):
+            assert Path(moved(target)).exists(), volume
+    script = moved(service["command"][-1]).replace("$$", "$")
+    env = {**os.environ, "MQTT_CONSOLE_PASSWORD": "console-pw-1",
+           "MQTT_NODE_ACCOUNTS": "node-a:node-a-pw,node-b:node-b-pw"}
+    assert set(service["environment"]) == {"MQTT_CONSOLE_PASSWORD", "MQTT_NODE_ACCOUNTS"}
+    proc = subprocess.Popen(["sh", "-c", script], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 15
+        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+            assert time.monotonic() < deadline, "the broker did not listen"
+            time.sleep(0.1)
+
+        def connack(user: str | None, password: str | None) -> bool:
+            client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+            if user:
+                client.username_pw_set(user, password)
+            try:
+                client.connect("127.0.0.1", port)
+                result = []
+                client.on_connect = lambda c, u, f, rc, p: result.append(rc)
+                deadline = time.monotonic() + 10
+                while not result and time.monotonic() < deadline:
+                    client.loop(0.1)
+                return bool(result) and not result[0].is_failure
+            finally:
+                client.disconnect()
+
+        assert connack("console", "console-pw-1")
+        assert connack("node-b", "node-b-pw")
+        assert not connack("node-a", "console-pw-1")
+        assert not connack(None, None)
+    finally:
+        stop_process(proc, 15)
+        shutil.rmtree(tmp_path, ignore_errors=True)

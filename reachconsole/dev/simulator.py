@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import paho.mqtt.client as mqtt
 
-from messages import protocol
+from messages import protocol, signing
 from messages.mqtt_client import broker_target, mqtt_client
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class SimulatedCluster:
     def __init__(self, *, base_url: str, token: str, mqtt_url: str, nodes: int = 3,
                  agents: int = 12, knobs: Knobs | None = None, seed: int = 7,
                  prefix: str = "ooder", source: str = "studio", mqtt_protocol: str = "5",
-                 heartbeat_ms: int | None = None):
+                 heartbeat_ms: int | None = None, keyring: signing.Keyring | None = None):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"the console URL must be http(s)://…, not {base_url!r}")
         self.base_url = base_url.rstrip("/")
@@ -106,6 +106,10 @@ class SimulatedCluster:
         self.knobs = knobs or Knobs()
         self.heartbeat_ms = heartbeat_ms
         self.nodes = cluster_plan(nodes=nodes, agents=agents, seed=seed)
+        # Each node signs with its own key when the console holds keys (handed out here as
+        # `manage.py node_key` would; docs/protocol.md "Signatures").
+        self.keys = {n.node_id: keyring.signing_key(n.node_id) for n in self.nodes} if keyring \
+            else {}
         self.rng = random.Random(seed)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -172,8 +176,8 @@ class SimulatedCluster:
 
     def _publish(self, node: SimulatedNode, to_node: str, env: protocol.Envelope) -> None:
         if node.client is not None:
-            node.client.publish(protocol.inbox_topic(self.prefix, to_node), protocol.encode(env),
-                                qos=1)
+            node.client.publish(protocol.inbox_topic(self.prefix, to_node),
+                                protocol.encode(env, key=self.keys.get(node.node_id)), qos=1)
 
     def _reply(self, node: SimulatedNode, request: protocol.Envelope, kind: MT,
                payload: dict, **headers) -> None:
@@ -202,7 +206,7 @@ class SimulatedCluster:
         )
         if node.client is not None:
             node.client.publish(protocol.heartbeat_topic(self.prefix, node.node_id),
-                                protocol.encode(env), qos=0)
+                                protocol.encode(env, key=self.keys.get(node.node_id)), qos=0)
 
     def handle(self, node: SimulatedNode, raw: bytes) -> None:
         env = protocol.decode(raw)

@@ -20,6 +20,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
+from messages import signing
 from reachconsole.core.tokens import tokens_parse
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,7 @@ class Command(BaseCommand):
                 nodes=options["simulate_nodes"], agents=options["simulate_agents"],
                 knobs=Knobs(rate=options["simulate_rate"]), prefix=settings.MQTT_TOPIC_PREFIX,
                 mqtt_protocol=settings.MQTT_PROTOCOL,
+                keyring=signing.keyring_for(settings.REACH_SIGNING_KEYS),
                 heartbeat_ms=options["simulate_heartbeat_ms"],
             )
         self.stdout.write(self.style.SUCCESS(f"Console: {base_url}/  (Ctrl-C stops everything)"))

@@ -8,6 +8,7 @@ import threading
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from messages import signing
 from messages.mqtt_client import url_redacted
 from reachconsole.dev.simulator import Knobs, SimulatedCluster
 
@@ -52,6 +53,7 @@ class Command(BaseCommand):
             base_url=o["url"], token=token, mqtt_url=mqtt_url, nodes=o["nodes"],
             agents=o["agents"], seed=o["seed"], prefix=settings.MQTT_TOPIC_PREFIX,
             mqtt_protocol=settings.MQTT_PROTOCOL,
+            keyring=signing.keyring_for(settings.REACH_SIGNING_KEYS),
             knobs=Knobs(rate=o["rate"], fail_rate=o["fail_rate"], busy_rate=o["busy_rate"],
                         nack_rate=o["nack_rate"], slow_ms=o["slow_ms"],
                         kill_node_after=o["kill_node_after"]),

@@ -1,0 +1,196 @@
+"""The shipped broker configuration is not open (deploy/mosquitto.conf, deploy/mosquitto.acl):
+no anonymous client, one account per node named by its nodeId, and a node that reads only
+its own inbox and heartbeats only as itself; the console's own account reads and writes the
+whole bus, so its real bridge (shared subscriptions, the heartbeat wildcard, its probe, the
+broker's drop counter) works through it.
+
+A PRIVATE Mosquitto from the deployment's files (tests/deploy_broker.py). Each refusal is
+shown against a control: a message the same client may send, sent after the refused one,
+arrives, so the refused one would have arrived before it."""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import time
+import uuid
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.reasoncodes import ReasonCode
+
+from messages import protocol
+from messages.bridge import BROKER_DROPPED_TOPIC, Bridge
+from messages.models import Message
+from roster.models import BusHearing, ClusterNode
+from tests.conftest import expect_real_services, register
+from tests.deploy_broker import Broker, private_mosquitto
+from tests.processes import HOST
+
+pytestmark = [
+    pytest.mark.skipif(not (shutil.which("mosquitto") or expect_real_services()),
+                       reason="starts a private Mosquitto: it is not installed"),
+    pytest.mark.timeout(120),
+]
+PREFIX = "ooder"  # the prefix deploy/mosquitto.acl's node lines name
+NODES = {"node-a": "password-of-node-a", "node-b": "password-of-node-b"}
+
+
+@pytest.fixture(scope="module")
+def broker():
+    with private_mosquitto(users=NODES) as running:
+        yield running
+
+
+class Client:
+    """One MQTT 5 client signed in as `user` (None: anonymous), keeping what it receives."""
+
+    def __init__(self, broker: Broker, user: str | None, password: str | None = None):
+        self.got: queue.Queue = queue.Queue()
+        self.connack: queue.Queue = queue.Queue()
+        self.suback: queue.Queue = queue.Queue()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
+                                  client_id=f"acl-{user}-{uuid.uuid4().hex[:6]}",
+                                  protocol=mqtt.MQTTv5)
+        if user:
+            self.client.username_pw_set(user, password or broker.passwords[user])
+        self.client.on_connect = lambda c, u, f, rc, p: self.connack.put(rc)
+        self.client.on_subscribe = lambda c, u, mid, rcs, p: self.suback.put(rcs)
+        self.client.on_message = lambda c, u, m: self.got.put((m.topic, m.payload))
+        self.client.connect(HOST, broker.port)
+        self.client.loop_start()
+        self.reason: ReasonCode = self.connack.get(timeout=10)
+
+    def subscribe(self, *topics: str) -> list[ReasonCode]:
+        self.client.subscribe([(t, 1) for t in topics])
+        return self.suback.get(timeout=10)
+
+    def publish(self, topic: str, payload: bytes) -> None:
+        self.client.publish(topic, payload, qos=1).wait_for_publish(10)
+
+    def received_until(self, marker: bytes, timeout: float = 10) -> list[tuple[str, bytes]]:
+        """Everything received up to and including `marker`."""
+        seen, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                item = self.got.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            seen.append(item)
+            if item[1] == marker:
+                return seen
+        raise AssertionError(f"the control message {marker!r} did not arrive: {seen}")
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def test_no_anonymous_client_and_no_wrong_password_is_let_in(broker):
+    anonymous = Client(broker, None)
+    wrong = Client(broker, "node-a", "not-its-password")
+    try:
+        assert anonymous.reason.is_failure and anonymous.reason.getName() == "Not authorized"
+        assert wrong.reason.is_failure
+    finally:
+        anonymous.close()
+        wrong.close()
+    node = Client(broker, "node-a")
+    try:
+        assert not node.reason.is_failure
+    finally:
+        node.close()
+
+
+def test_a_node_heartbeats_only_as_itself(broker):
+    console = Client(broker, "console")
+    node_a = Client(broker, "node-a")
+    try:
+        console.subscribe(protocol.heartbeat_wildcard(PREFIX))
+        node_a.publish(protocol.heartbeat_topic(PREFIX, "node-b"), b"forged")
+        node_a.publish(protocol.heartbeat_topic(PREFIX, "node-a"), b"own")
+        got = console.received_until(b"own")
+        assert got == [(protocol.heartbeat_topic(PREFIX, "node-a"), b"own")]
+    finally:
+        console.close()
+        node_a.close()
+
+
+def test_a_node_reads_only_its_own_inbox_and_sends_to_any(broker):
+    node_a = Client(broker, "node-a")
+    node_b = Client(broker, "node-b")
+    console = Client(broker, "console")
+    try:
+        node_a.subscribe(protocol.inbox_topic(PREFIX, "node-a"),
+                         protocol.inbox_topic(PREFIX, "node-b"), protocol.inbox_wildcard(PREFIX))
+        node_b.subscribe(protocol.inbox_topic(PREFIX, "node-b"))
+        console.subscribe(protocol.inbox_topic(PREFIX, "console"))
+        node_b.publish(protocol.inbox_topic(PREFIX, "node-b"), b"for b")   # to itself
+        node_a.publish(protocol.inbox_topic(PREFIX, "console"), b"answer")  # to the console
+        console.publish(protocol.inbox_topic(PREFIX, "node-a"), b"for a")
+        # node-a subscribed to b's inbox and the wildcard, but is sent only its own.
+        assert node_a.received_until(b"for a") == [(protocol.inbox_topic(PREFIX, "node-a"),
+                                                    b"for a")]
+        assert node_b.received_until(b"for b")[-1][1] == b"for b"
+        assert console.received_until(b"answer")[-1][1] == b"answer"
+    finally:
+        for client in (node_a, node_b, console):
+            client.close()
+
+
+def test_a_node_cannot_read_the_brokers_counters_and_the_console_can(broker):
+    console = Client(broker, "console")
+    node_a = Client(broker, "node-a")
+    try:
+        console.subscribe(BROKER_DROPPED_TOPIC)
+        node_a.subscribe(BROKER_DROPPED_TOPIC)
+        topic, value = console.got.get(timeout=15)  # sys_interval 5: within a round or two
+        assert topic == BROKER_DROPPED_TOPIC and int(value) >= 0
+        time.sleep(6)  # another round
+        assert node_a.got.empty()
+    finally:
+        console.close()
+        node_a.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_consoles_real_bridge_works_through_its_account(broker, settings):
+    """Shared subscriptions of the inboxes, the heartbeat wildcard and the probe, all
+    through the console's account: a node's heartbeat renews its agent, and the bridge
+    hears its own probe (docs/faults.md: the bus is heard)."""
+    settings.MQTT_TOPIC_PREFIX = PREFIX
+    register("fin.tax", "node-a")
+    bridge = Bridge(url=broker.url(), node_id="console", prefix=PREFIX,
+                    instance=f"acl-{uuid.uuid4().hex[:6]}", protocol_version="5",
+                    session_expiry_s=0)
+    bridge.start()
+    node_a = Client(broker, "node-a")
+    try:
+        assert bridge.wait_connected(15), "the bridge could not sign in with its account"
+        beat = protocol.new_envelope(
+            message_type=protocol.MessageType.HEARTBEAT, from_agent_id="node-a",
+            headers={"originNodeId": "node-a"},
+            payload={"heartbeatMs": 1000, "agents": [{"agentId": "fin.tax", "inflight": 3}]})
+        event = protocol.new_envelope(message_type=protocol.MessageType.EVENT,
+                                      from_agent_id="fin.tax", to_agent_id="console",
+                                      headers={"originNodeId": "node-a"}, payload={"n": 1})
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            node_a.publish(protocol.heartbeat_topic(PREFIX, "node-a"), protocol.encode(beat))
+            node_a.publish(protocol.inbox_topic(PREFIX, "console"), protocol.encode(event))
+            node = ClusterNode.objects.filter(node_id="node-a").first()
+            if node and node.last_seen_at and Message.objects.filter(
+                    message_id=event.message_id).exists():
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the bridge stored neither the heartbeat nor the event: "
+                                 f"{broker.log_path.read_text()[-2000:]}")
+        # Its probe went out and came back through the broker: the bus is heard.
+        deadline = time.monotonic() + 10
+        while not BusHearing.objects.filter(heard_at__isnull=False).exists():
+            assert time.monotonic() < deadline, "the bridge's probe never came back"
+            time.sleep(0.2)
+    finally:
+        node_a.close()
+        bridge.stop()
