@@ -180,7 +180,15 @@ if REDIS_URL:
     }
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
-    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+    # The cache holds more than a cache's worth here: counters, idempotency claims and
+    # heartbeat claims. LocMemCache culls a third of its keys once it holds 300 (its default),
+    # which would lose counts and let a duplicate through; one process's state fits easily.
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.locmem.LocMemCache",
+            "OPTIONS": {"MAX_ENTRIES": 2_000_000},
+        }
+    }
 
 CELERY_BROKER_URL = REDIS_URL or "memory://localhost/"
 if REDIS_URL:
