@@ -246,6 +246,12 @@ def decode(data: bytes | str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Envelope
         return Rejection(Reject.BAD_FIELD, f"message could not be read ({type(exc).__name__})")
 
 
+_OTHER_DIALECT = (
+    'a {"header", "payload"} envelope (the Agent-Reach dialect) is not this bus\'s: send '
+    f'{{"protocol": "{PROTOCOL}", "version": "{VERSION}", "message": {{"messageId", "type", '
+    '"fromAgentId", "toAgentId", "taskId", "headers", "payload", …}} (docs/protocol.md, Envelope)')
+
+
 def _decode(data: Any, max_bytes: int) -> Envelope | Rejection:
     if isinstance(data, str):
         # Cheap guard first: a str is at least as many UTF-8 bytes as it has characters.
@@ -298,6 +304,9 @@ def _decode(data: Any, max_bytes: int) -> Envelope | Rejection:
         )
 
     protocol = doc.get("protocol")
+    if protocol is None and "header" in doc and "payload" in doc:
+        # The reachability layer's own envelope: name the dialect, not a missing field.
+        return Rejection(Reject.WRONG_PROTOCOL, _OTHER_DIALECT)
     if protocol != PROTOCOL:
         got = "missing" if "protocol" not in doc else _describe(protocol)
         return Rejection(Reject.WRONG_PROTOCOL, f'protocol is {got}; expected "{PROTOCOL}"')

@@ -9,6 +9,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from ninja import Field, Query, Router, Schema, Status
+from pydantic import model_validator
 
 from reachconsole.core.apidoc import BodyIn, JsonObject, json_int, refusals
 from roster import errors, services
@@ -30,7 +31,52 @@ cluster_router = Router(tags=["cluster"])
 ops_router = Router(tags=["ops"])
 
 
+# The reachability layer's identity object spells the body in snake_case and keeps the
+# namespace apart (`{"namespace": "fin", "agent_id": "tax", ...}`); it is accepted as
+# another spelling of this body (docs/protocol.md, "Register").
+_SNAKE_CASE = {"agent_id": "agentId", "node_id": "nodeId", "max_inflight": "maxInflight"}
+
+
+def identity_object_normalize(data: Any) -> Any:
+    """`data` with the identity object's spellings turned into the body's own: snake_case keys
+    into camelCase, and a separate `namespace` folded into the agent id. A key sent in both
+    spellings with different values, or a namespace the agent id contradicts, is refused."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for snake, camel in _SNAKE_CASE.items():
+        if snake not in data:
+            continue
+        value = data.pop(snake)
+        if camel in data and data[camel] != value:
+            raise ValueError(f"{camel} and {snake} name the same field with different values: "
+                             "send one of them")
+        data[camel] = value
+    namespace = data.pop("namespace", None)
+    agent_id = data.get("agentId")
+    if namespace is None or not isinstance(agent_id, str):
+        return data
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError("namespace must be a non-empty string (or leave it out and send "
+                         "agentId as `namespace.name`)")
+    given = agent_id.replace("/", ".").partition(".")
+    if not given[1]:
+        data["agentId"] = f"{namespace}.{agent_id}"
+    elif given[0] != namespace:
+        raise ValueError(f"namespace {namespace!r} contradicts the agent id {agent_id!r}, whose "
+                         f"namespace is {given[0]!r}: send one of them")
+    return data
+
+
 class RegisterIn(BodyIn):
+    """camelCase as below, or the identity object (`namespace`, `agent_id`, `node_id`,
+    `max_inflight`, snake_case), normalized to it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _identity_object(cls, data: Any) -> Any:
+        return identity_object_normalize(data)
+
     agent_id: AgentIdInput = Field(..., alias="agentId")
     node_id: NodeId = Field(..., alias="nodeId")
     version: str = Field("", max_length=64)

@@ -234,6 +234,17 @@ def test_it_rejects_another_protocol() -> None:
     rejected(decode(b'{"version": "1.0", "message": {}}'), Reject.WRONG_PROTOCOL)
 
 
+def test_an_agent_reach_envelope_is_named_as_the_other_dialect_with_the_right_shape() -> None:
+    theirs = {"header": {"msg_id": "m-1", "from": "fin.tax", "to": "hr.pay"},
+              "payload": {"text": "hello"}}
+    refusal = rejected(decode(json.dumps(theirs)), Reject.WRONG_PROTOCOL)
+    assert "Agent-Reach" in refusal.detail
+    assert '{"protocol": "a2a", "version": "1.0", "message": {"messageId"' in refusal.detail
+    # Anything else without a protocol is still just that.
+    plain = rejected(decode(b'{"payload": {}}'), Reject.WRONG_PROTOCOL)
+    assert "Agent-Reach" not in plain.detail and "protocol is missing" in plain.detail
+
+
 @pytest.mark.parametrize("version", ["2.0", "abc", "0.9", "", "1.x", "١.0", None, 1.0, 1, [1]])
 def test_it_rejects_an_unsupported_or_malformed_version(version: Any) -> None:
     rejected(decode(wire(version=version)), Reject.BAD_VERSION)

@@ -248,3 +248,44 @@ def test_it_reports_health_and_readiness(client):
     ready = client.get("/readyz")
     assert ready.status_code == 200
     assert ready.json()["checks"]["database"]["ok"] is True
+
+
+# --- the reachability layer's identity object ---------------------------------------------------
+
+IDENTITY = {
+    "namespace": "fin", "agent_id": "tax", "node_id": "node-a", "version": "1.2",
+    "capabilities": ["tax"], "endpoint": "http://node-a:8080", "max_inflight": 4,
+    "metadata": {"region": "eu"},
+}
+
+
+def test_the_identity_object_registers_as_the_camel_case_body_does(api):
+    r = api.post("/api/roster/agents", IDENTITY)
+    assert r.status_code == 201, r.content
+    assert r.json()["agentId"] == "fin.tax" and r.json()["nodeId"] == "node-a"
+    agent = Agent.objects.get()
+    assert (agent.agent_id, agent.namespace.name, agent.name) == ("fin.tax", "fin", "tax")
+    assert (agent.max_inflight, agent.version, agent.metadata) == (4, "1.2", {"region": "eu"})
+    # The same agent in the other spelling is a renewal of one registration, not a second.
+    again = api.post("/api/roster/agents", REGISTER)
+    assert again.status_code == 200 and Agent.objects.count() == 1
+
+
+def test_the_identity_object_may_carry_the_whole_agent_id(api):
+    r = api.post("/api/roster/agents", {**IDENTITY, "agent_id": "fin.tax"})
+    assert r.status_code == 201, r.content
+    assert Agent.objects.get().agent_id == "fin.tax"
+
+
+@pytest.mark.parametrize("body, words", [
+    ({**IDENTITY, "agent_id": "hr.tax"}, "namespace 'fin' contradicts the agent id 'hr.tax'"),
+    ({**IDENTITY, "agentId": "fin.audit"}, "agentId and agent_id name the same field"),
+    ({**IDENTITY, "namespace": ""}, "namespace must be a non-empty string"),
+    ({k: v for k, v in IDENTITY.items() if k != "node_id"}, "nodeId: Field required"),
+])
+def test_an_identity_object_that_contradicts_itself_is_refused_with_words(api, body, words):
+    r = api.post("/api/roster/agents", body)
+    assert r.status_code == 422, r.content
+    assert r.json()["error"] == "invalid_request"
+    assert words in r.json()["detail"]
+    assert not Agent.objects.exists()
