@@ -41,6 +41,8 @@ HEADERS = {"Authorization": f"Bearer {TOKEN}", "X-OODER-Source": "studio",
            "Content-Type": "application/json"}
 WAITERS = 60
 WAIT_MS = 6000
+LONG_LEASE = (600_000, 300_000)  # lease TTL and heartbeat, ms
+LONG_LEASE_ENV = {"REACH_LEASE_TTL_MS": "600000", "REACH_HEARTBEAT_MS": "300000"}
 
 
 @pytest.fixture
@@ -167,13 +169,17 @@ def _get(port: int, path: str) -> int:
         conn.close()
 
 
-def test_waiters_hold_no_connection_and_no_thread_and_others_are_served(tmp_path):
+def test_waiters_hold_no_connection_and_no_thread_and_others_are_served(tmp_path, settings):
     """60 waiters on an agent that never answers, in a stock Daphne whose pool has 4
     connections and gives up on a request after 2 s: before, the fifth waiter took the
     last connection and every other call answered 503."""
+    # Leases that outlast the test however slow the machine: a send must not find its
+    # agent stale (two heartbeats missed) because setting up sixty waiters took a while.
+    settings.REACH_LEASE_TTL_MS, settings.REACH_HEARTBEAT_MS = LONG_LEASE
     register("wait.slow", "node-slow")
     register("wait.other", "node-slow")
-    with daphne_process(tmp_path, REACH_DB_POOL_MAX="4", REACH_DB_POOL_TIMEOUT_S="2") as (
+    with daphne_process(tmp_path, REACH_DB_POOL_MAX="4", REACH_DB_POOL_TIMEOUT_S="2",
+                        **LONG_LEASE_ENV) as (
             port, log_path, proc):
         assert _get(port, "/api/roster/agents") == 200
         idle_threads = _threads(proc.pid)
@@ -218,11 +224,12 @@ def test_waiters_hold_no_connection_and_no_thread_and_others_are_served(tmp_path
     assert "connections, 0 idle" not in log and "Traceback" not in log, log[-3000:]
 
 
-def test_a_waiter_in_daphne_gets_the_answer_that_arrives_while_it_waits(tmp_path):
+def test_a_waiter_in_daphne_gets_the_answer_that_arrives_while_it_waits(tmp_path, settings):
     """The answer comes in through another process (here the test's, as a worker's bridge
     would store it): pushed where Redis carries the stream, read where it does not."""
+    settings.REACH_LEASE_TTL_MS, settings.REACH_HEARTBEAT_MS = LONG_LEASE
     register("wait.fin", "node-w")
-    with daphne_process(tmp_path) as (port, log_path, _proc):
+    with daphne_process(tmp_path, **LONG_LEASE_ENV) as (port, log_path, _proc):
         result: list[tuple[int, dict]] = []
         thread = threading.Thread(target=lambda: result.append(_post(
             port, {"to": "wait.fin", "wait": True, "timeoutMs": 60000, "taskId": "t-daphne"},
