@@ -18,6 +18,7 @@ from urllib.parse import quote
 from django.conf import settings
 from django.db import connection
 
+from reachconsole.core.identity import ConsoleIdentity, console_id
 from tests.conftest import TOKEN, stop_process
 from tests.mqtt import free_port
 
@@ -26,7 +27,10 @@ HOST = "127.0.0.1"
 
 
 def database_url() -> str:
-    """The test database pytest-django made (data a test commits there is what they see)."""
+    """The test database pytest-django made (data a test commits there is what they see),
+    holding this process's console identity: a transactional test before may have flushed
+    the row away, and processes started now would make a name of their own."""
+    ConsoleIdentity.objects.get_or_create(pk=1, defaults={"name": console_id()})
     db = connection.settings_dict
     if connection.vendor == "sqlite":
         return f"sqlite:///{db['NAME']}"
