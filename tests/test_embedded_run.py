@@ -78,6 +78,7 @@ def console(tmp_path):
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: get_json(f"{base}/healthz"), 60, "the console did not answer")
+        proc.mqtt_port = mqtt_port  # for a second simulated cluster on its broker
         yield base, proc, tmp_path / "console.log"
     finally:
         stop_process(proc)
@@ -157,3 +158,58 @@ def test_every_option_of_simulate_says_what_it_does():
     assert [a.dest for a in own if not a.help] == []
     rates = {a.dest: a.help for a in own if a.dest.endswith("_rate") and a.dest != "rate"}
     assert rates and all("0 to 1" in text for text in rates.values())
+
+
+def test_simulate_runs_beside_make_run_on_its_embedded_broker(console, tmp_path):
+    """`manage.py simulate` against `make run`: it speaks MQTT 5 by default, which the
+    embedded broker refuses; it used to print "sent 36 tasks, executed 0" while its agents
+    went OFFLINE. It finds the broker's version itself, its names do not clash with make run's
+    own simulated cluster, and what it says it sent is what the broker confirmed."""
+    base, proc, _ = console
+    env = embedded_env()
+    env.update(REACH_RUN_DIR=str(tmp_path), REACH_EMBEDDED_MQTT_PORT=str(proc.mqtt_port),
+               PYTHONUNBUFFERED="1")
+    env.pop("MQTT_PROTOCOL", None)
+    log_path = tmp_path / "simulate.log"
+    with open(log_path, "w+") as log:
+        sim = subprocess.Popen(
+            [sys.executable, "manage.py", "simulate", "--url", base, "--token", TOKEN,
+             "--nodes", "2", "--agents", "4", "--rate", "10", "--slow-ms", "10",
+             "--tag", "two", "--report-every", "1"],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            def theirs_and_ours_online():
+                online = {a["agentId"] for a in get_json(f"{base}/api/roster/agents")
+                          if a["status"] == "ONLINE" and a["nodeId"].startswith("sim-")}
+                tagged = {a for a in online if a.endswith("-two")}
+                return len(tagged) == 4 and len(online - tagged) == 4
+
+            wait_for(theirs_and_ours_online, 40,
+                     "both simulated clusters did not come ONLINE side by side")
+
+            def executed():
+                lines = [line for line in log_path.read_text().splitlines()
+                         if line.startswith("sent ")]
+                return lines and int(lines[-1].split("executed ")[1].split(",")[0]) >= 5
+
+            wait_for(executed, 40, "the second cluster did not execute tasks")
+        finally:
+            sim.send_signal(signal.SIGINT)
+            code = sim.wait(30)
+    output = log_path.read_text()
+    assert code == 0, output[-3000:]
+    assert "speaks MQTT 3.1.1 only" in output, output[-3000:]
+    assert "sim-node-a-two, sim-node-b-two" in output
+    sent, executed = (int(word) for word in output.splitlines()[-1].split()[1::3][:2])
+    assert sent > 0 and executed > 0, output[-3000:]
+
+
+def test_simulate_says_at_once_when_no_broker_answers(tmp_path):
+    env = embedded_env()
+    env.update(REACH_RUN_DIR=str(tmp_path), REACH_EMBEDDED_MQTT_PORT=str(free_port()))
+    result = subprocess.run(
+        [sys.executable, "manage.py", "simulate", "--url", "http://127.0.0.1:9", "--token",
+         TOKEN], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "no MQTT broker answers at mqtt://127.0.0.1:" in result.stderr, result.stderr
+    assert "--mqtt-url" in result.stderr

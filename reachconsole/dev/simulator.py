@@ -12,6 +12,7 @@ import json
 import logging
 import queue
 import random
+import secrets
 import threading
 import time
 import urllib.error
@@ -22,7 +23,12 @@ from dataclasses import dataclass, field
 import paho.mqtt.client as mqtt
 
 from messages import protocol, signing
-from messages.mqtt_client import broker_target, mqtt_client
+from messages.mqtt_client import (
+    broker_target,
+    connect_failure_reason,
+    mqtt_client,
+    refusal_reason,
+)
 
 log = logging.getLogger(__name__)
 MT = protocol.MessageType
@@ -55,14 +61,54 @@ class Knobs:
     busy_nodes: frozenset[str] = frozenset()  # nodes that answer every request BUSY
 
 
-def cluster_plan(*, nodes: int, agents: int, seed: int = 7) -> list[SimulatedNode]:
-    """Spread `agents` over `nodes` deterministically for a given seed."""
+class BrokerUnusable(RuntimeError):
+    """The simulated nodes cannot use the broker; the words say why and what to pass."""
+
+
+def broker_protocol_detect(mqtt_url: str, *, timeout: float = 5.0) -> str:
+    """The MQTT version the broker at `mqtt_url` speaks: "5", or "3.1.1" when it refuses
+    MQTT 5 for its version (as `make run`'s embedded broker does). Raises BrokerUnusable, with
+    words, when it cannot be reached or refuses for any other reason."""
+    target = broker_target(mqtt_url, protocol="5")
+    client = mqtt_client(target=target, client_id=f"sim-probe-{secrets.token_hex(4)}")
+    answers: queue.Queue = queue.Queue()
+    client.on_connect = lambda c, userdata, flags, reason_code, properties: answers.put(
+        reason_code)
+    try:
+        client.connect(target.host, target.port, keepalive=10)
+    except OSError as exc:
+        why = connect_failure_reason(target) or str(exc)
+        raise BrokerUnusable(f"no MQTT broker answers at {target.display}: {why}. Is the "
+                             "console running (make run starts one on 127.0.0.1:1883)? Pass "
+                             "--mqtt-url mqtt://host:port") from exc
+    client.loop_start()
+    try:
+        reason = answers.get(timeout=timeout)
+    except queue.Empty:
+        raise BrokerUnusable(f"the broker at {target.display} did not answer an MQTT 5 CONNECT "
+                             f"within {timeout:g} s: pass --mqtt-protocol 3.1.1 if it speaks "
+                             "only that") from None
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    if not reason.is_failure:
+        return "5"
+    if getattr(reason, "value", reason) in (132, 1):  # Unsupported protocol version
+        return "3.1.1"
+    raise BrokerUnusable(refusal_reason(reason, target))
+
+
+def cluster_plan(*, nodes: int, agents: int, seed: int = 7, tag: str = "") -> list[SimulatedNode]:
+    """Spread `agents` over `nodes` deterministically for a given seed. A `tag` is added to
+    every node and agent name, so a second simulated cluster can run beside the first."""
     rng = random.Random(seed)
     pool = [(ns, name) for ns, names in NAMESPACES.items() for name in names]
-    plan = [SimulatedNode(node_id=f"sim-node-{chr(ord('a') + i)}") for i in range(nodes)]
+    tagged = f"-{tag}" if tag else ""
+    plan = [SimulatedNode(node_id=f"sim-node-{chr(ord('a') + i)}{tagged}")
+            for i in range(nodes)]
     for i in range(agents):
         ns, name = pool[i % len(pool)]
-        suffix = "" if i < len(pool) else f"-{i // len(pool) + 1}"
+        suffix = ("" if i < len(pool) else f"-{i // len(pool) + 1}") + tagged
         plan[i % nodes].agents.append(SimulatedAgent(
             agent_id=f"{ns}.{name}{suffix}", capabilities=[name], groups=[f"#{ns}-team"],
             max_inflight=rng.choice([4, 8, 16]),
@@ -81,6 +127,8 @@ class SimulatedNode:
     duplicates: int = 0
     responses: dict[str, dict] = field(default_factory=dict)  # request id → response payload
     client: mqtt.Client | None = None
+    connect_error: str = ""  # why the broker refused this node's last CONNECT
+    connected: threading.Event = field(default_factory=threading.Event)
     work: queue.Queue = field(default_factory=queue.Queue)
     seen_keys: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -94,7 +142,8 @@ class SimulatedCluster:
     def __init__(self, *, base_url: str, token: str, mqtt_url: str, nodes: int = 3,
                  agents: int = 12, knobs: Knobs | None = None, seed: int = 7,
                  prefix: str = "ooder", source: str = "studio", mqtt_protocol: str = "5",
-                 heartbeat_ms: int | None = None, keyring: signing.Keyring | None = None):
+                 heartbeat_ms: int | None = None, keyring: signing.Keyring | None = None,
+                 tag: str = ""):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"the console URL must be http(s)://…, not {base_url!r}")
         self.base_url = base_url.rstrip("/")
@@ -105,7 +154,7 @@ class SimulatedCluster:
         self.prefix = prefix
         self.knobs = knobs or Knobs()
         self.heartbeat_ms = heartbeat_ms
-        self.nodes = cluster_plan(nodes=nodes, agents=agents, seed=seed)
+        self.nodes = cluster_plan(nodes=nodes, agents=agents, seed=seed, tag=tag)
         # Each node signs with its own key when the console holds keys (handed out here as
         # `manage.py node_key` would; docs/protocol.md "Signatures").
         self.keys = {n.node_id: keyring.signing_key(n.node_id) for n in self.nodes} if keyring \
@@ -114,7 +163,10 @@ class SimulatedCluster:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.http_errors = 0
-        self.sent_requests = 0
+        self.sent_requests = 0  # task requests made (their `n`), whether or not they left
+        self._count_lock = threading.Lock()
+        self._unconfirmed: list[mqtt.MQTTMessageInfo] = []  # requests not PUBACKed yet
+        self._confirmed = 0
 
     # --- HTTP: lifecycle ---------------------------------------------------------------------
     def _call(self, method: str, path: str, body: dict | None = None) -> dict | None:
@@ -156,8 +208,14 @@ class SimulatedCluster:
         inbox = protocol.inbox_topic(self.prefix, node.node_id)
 
         def on_connect(c, userdata, flags, reason_code, properties):
-            if not reason_code.is_failure:
-                c.subscribe(inbox, qos=1)
+            if reason_code.is_failure:
+                node.connect_error = refusal_reason(reason_code, self.mqtt)
+                log.warning("simulator: %s cannot connect: %s", node.node_id,
+                            node.connect_error)
+                return
+            node.connect_error = ""
+            node.connected.set()
+            c.subscribe(inbox, qos=1)
 
         def on_message(c, userdata, message):
             node.work.put(message.payload)
@@ -174,10 +232,23 @@ class SimulatedCluster:
         client.loop_start()
         node.client = client
 
-    def _publish(self, node: SimulatedNode, to_node: str, env: protocol.Envelope) -> None:
-        if node.client is not None:
-            node.client.publish(protocol.inbox_topic(self.prefix, to_node),
-                                protocol.encode(env, key=self.keys.get(node.node_id)), qos=1)
+    def _publish(self, node: SimulatedNode, to_node: str,
+                 env: protocol.Envelope) -> mqtt.MQTTMessageInfo | None:
+        if node.client is None:
+            return None
+        return node.client.publish(protocol.inbox_topic(self.prefix, to_node),
+                                   protocol.encode(env, key=self.keys.get(node.node_id)), qos=1)
+
+    @property
+    def published_requests(self) -> int:
+        """Task requests the broker confirmed (PUBACK). Read from paho's message infos, not
+        counted in on_publish: paho calls that holding its own lock, which a publishing
+        thread may be waiting on."""
+        with self._count_lock:
+            still = [info for info in self._unconfirmed if not info.is_published()]
+            self._confirmed += len(self._unconfirmed) - len(still)
+            self._unconfirmed = still
+            return self._confirmed
 
     def _reply(self, node: SimulatedNode, request: protocol.Envelope, kind: MT,
                payload: dict, **headers) -> None:
@@ -275,7 +346,13 @@ class SimulatedCluster:
             payload={"input": {"n": self.sent_requests}},
         )
         self.sent_requests += 1
-        self._publish(node, target_node.node_id, env)
+        info = self._publish(node, target_node.node_id, env)
+        if info is not None:
+            with self._count_lock:
+                self._unconfirmed.append(info)
+                crowded = len(self._unconfirmed) > 1000
+            if crowded:  # nobody may read the count (make run's cluster): keep it short
+                _ = self.published_requests
 
     # --- lifecycle -------------------------------------------------------------------------------
     def _run_node(self, node: SimulatedNode, index: int) -> None:
@@ -319,6 +396,16 @@ class SimulatedCluster:
                                       name=f"sim-{node.node_id}", daemon=True)
             thread.start()
             self._threads.append(thread)
+
+    def connect_errors(self, timeout: float = 10.0) -> dict[str, str]:
+        """Why nodes could not connect to the broker within `timeout`, by node: {} when all
+        did. A node still registering over HTTP is not judged (see http_errors)."""
+        deadline = time.monotonic() + timeout
+        for node in self.nodes:
+            node.connected.wait(max(0.0, deadline - time.monotonic()))
+        return {node.node_id: node.connect_error or
+                f"no answer from {self.mqtt.display} within {timeout:g} s"
+                for node in self.nodes if not node.connected.is_set() and node.client}
 
     def wait_subscribed(self, timeout: float = 15.0) -> bool:
         """Whether every node hears its inbox (its SUBACK came) within `timeout`. A lease in
