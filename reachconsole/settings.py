@@ -89,6 +89,8 @@ TEMPLATES = [
         "DIRS": [BASE_DIR / "templates"],
         "APP_DIRS": True,
         "OPTIONS": {
+            # `moment` (times a viewer may see in local time) as `date` is: in every template.
+            "builtins": ["reachconsole.templatetags.moments"],
             "context_processors": [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",

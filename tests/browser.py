@@ -23,14 +23,15 @@ def chromium_or_skip() -> str:
 
 
 @contextmanager
-def chromium_page() -> Iterator:
+def chromium_page(**context) -> Iterator:
+    """A page of a fresh browser; `context`: Playwright's context options (timezone_id…)."""
     from playwright.sync_api import sync_playwright
 
     executable = chromium_or_skip()
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page()
+            page = browser.new_page(**context)
             page.set_default_timeout(15000)
             yield page
         finally:

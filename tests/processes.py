@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from django.conf import settings
-from django.db import connection
+from django.db import connection, connections
 
 from reachconsole.core.identity import ConsoleIdentity, console_id
 from tests.conftest import TOKEN, stop_process
@@ -30,7 +31,13 @@ def database_url() -> str:
     """The test database pytest-django made (data a test commits there is what they see),
     holding this process's console identity: a transactional test before may have flushed
     the row away, and processes started now would make a name of their own."""
-    ConsoleIdentity.objects.get_or_create(pk=1, defaults={"name": console_id()})
+    name = console_id()
+    # In a thread: a Playwright test's loop makes this one an async context for the ORM.
+    keep = threading.Thread(target=lambda: (
+        ConsoleIdentity.objects.get_or_create(pk=1, defaults={"name": name}),
+        connections.close_all()))
+    keep.start()
+    keep.join()
     db = connection.settings_dict
     if connection.vendor == "sqlite":
         return f"sqlite:///{db['NAME']}"
