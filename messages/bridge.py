@@ -66,7 +66,6 @@ from messages.outbox import (
 )
 from messages.rows import row_encode
 from messages.state import Change, changes_apply, late_pubacks_record
-from reachconsole.core import identity
 from reachconsole.core.logs import log_fields
 from reachconsole.core.metrics import LocalCounter
 from roster.hearing import PROBE_EVERY_S, hearing_lost, hearing_record
@@ -163,10 +162,10 @@ def connection_keep() -> None:
 def client_id_for(node_id: str, instance: str, console_id: str = "") -> str:
     """One fixed id per bridge of one console: a persistent session, and two bridges with one
     id kick each other off the broker for as long as both run. The console's identity
-    (reachconsole/core/identity.py, a row of its database) is in it: two consoles on one
+    (settings.REACH_CONSOLE_ID, derived from its database) is in it: two consoles on one
     broker with the default node id were both `reach-console-1`. Kept within 64 characters
     without cutting the instance off."""
-    console = console_id or identity.console_id()
+    console = console_id or settings.REACH_CONSOLE_ID
     node = node_id or "anon"
     client_id = f"{console}-{node}-{instance}"
     if len(client_id) > 64:
@@ -272,8 +271,7 @@ class Bridge:
             session_expiry_s=settings.MQTT_SESSION_EXPIRY_S,
             max_queued=settings.MQTT_MAX_QUEUED, batch=settings.REACH_BRIDGE_BATCH,
             heartbeat_ms=settings.REACH_HEARTBEAT_MS,
-            share_group=settings.REACH_BRIDGE_SHARE_GROUP or identity.console_id(),
-            ingest=settings.REACH_BRIDGE_INGEST,
+            share_group=settings.REACH_BRIDGE_SHARE_GROUP, ingest=settings.REACH_BRIDGE_INGEST,
             keepalive_s=settings.MQTT_KEEPALIVE_S,
         )
 

@@ -2,14 +2,12 @@ from __future__ import annotations
 
 import os
 from datetime import datetime, timedelta
-from pathlib import Path
 
 import pytest
 from django.conf import settings
 from django.test import Client
 from django.utils import timezone
 
-from reachconsole.core.identity import console_id
 from reachconsole.core.tokens import tokens_parse
 from roster import services
 from tests.mqtt import bridge, broker, mqtt_settings  # noqa: F401 - fixtures for every module
@@ -17,18 +15,6 @@ from tests.mqtt import bridge, broker, mqtt_settings  # noqa: F401 - fixtures fo
 TOKEN = "test-token-aaaaaaaaaaaaaaaa"
 ROTATED_TOKEN = "test-token-bbbbbbbbbbbbbbbb"
 FIN_TOKEN = "test-token-fin-cccccccccccc"
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _console_identity(django_db_setup, django_db_blocker):
-    """The console's name is a row of its database (reachconsole/core/identity.py), read once
-    a process in a thread of its own: read it before any test holds the database, so that a
-    row a transactional test flushed away is not created while a test holds SQLite's write
-    lock (taken at BEGIN), which the reading thread would wait on."""
-    if not Path(str(settings.DATABASES["default"]["NAME"])).name.startswith("test"):
-        return  # no test of this run uses the database: it was not set up, never touch it
-    with django_db_blocker.unblock():
-        console_id()
 
 
 @pytest.fixture(autouse=True)

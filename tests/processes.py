@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -17,9 +16,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 from django.conf import settings
-from django.db import connection, connections
+from django.db import connection
 
-from reachconsole.core.identity import ConsoleIdentity, console_id
 from tests.conftest import TOKEN, stop_process
 from tests.mqtt import free_port
 
@@ -28,16 +26,7 @@ HOST = "127.0.0.1"
 
 
 def database_url() -> str:
-    """The test database pytest-django made (data a test commits there is what they see),
-    holding this process's console identity: a transactional test before may have flushed
-    the row away, and processes started now would make a name of their own."""
-    name = console_id()
-    # In a thread: a Playwright test's loop makes this one an async context for the ORM.
-    keep = threading.Thread(target=lambda: (
-        ConsoleIdentity.objects.get_or_create(pk=1, defaults={"name": name}),
-        connections.close_all()))
-    keep.start()
-    keep.join()
+    """The test database pytest-django made (data a test commits there is what they see)."""
     db = connection.settings_dict
     if connection.vendor == "sqlite":
         return f"sqlite:///{db['NAME']}"

@@ -1,6 +1,5 @@
-"""One console is one name, whichever process asks and however it spells its database's
-address; two consoles sharing one Redis server never see each other's events or cache keys
-(the channel layer's and the cache's prefixes are that name)."""
+"""Two consoles sharing one Redis server never see each other's events or cache keys: the
+channel-layer and cache prefixes derive from the console's identity (its database)."""
 
 from __future__ import annotations
 
@@ -13,79 +12,47 @@ from pathlib import Path
 
 import pytest
 
-from reachconsole.core.identity import address_identity
 from tests.conftest import expect_real_services
 
 ROOT = Path(__file__).resolve().parent.parent
-SHOW = ("import django, json; django.setup(); "
-        "from reachconsole.core.identity import console_id; "
-        "from channels.layers import get_channel_layer; from django.core.cache import cache; "
-        "layer = get_channel_layer()._kwargs['prefix']; "
-        "print(json.dumps([console_id(), layer, cache.make_key('k')]))")
+SHOW = ("from django.conf import settings; import json; print(json.dumps("
+        "[settings.CHANNEL_LAYERS['default']['CONFIG']['prefix'], "
+        "settings.CACHES['default']['KEY_PREFIX']]))")
 
 
-def _run(tmp_path: Path, database_url: str, *args: str, code: str = "", **env: str) -> str:
-    run = {**os.environ, "REDIS_URL": "redis://127.0.0.1:6379/0", "REACH_RUN_DIR": str(tmp_path),
-           "DATABASE_URL": database_url, "DJANGO_SETTINGS_MODULE": "reachconsole.settings"}
-    for name in ("REACH_CONSOLE_ID", "REACH_CHANNEL_PREFIX"):
-        run.pop(name, None)
+def _prefixes(tmp_path, **env) -> list[str]:
+    run = {**os.environ, "REDIS_URL": "redis://127.0.0.1:6379/0",
+           "REACH_RUN_DIR": str(tmp_path), **env}
+    run.pop("REACH_CONSOLE_ID", None)
+    run.pop("REACH_CHANNEL_PREFIX", None)
     run.update(env)
-    command = [sys.executable, "-c", code] if code else [sys.executable, "manage.py", *args]
-    out = subprocess.run(command, cwd=ROOT, env=run, capture_output=True, text=True,  # noqa: S603
-                         check=False, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    out = subprocess.run(  # noqa: S603
+        [sys.executable, "-c", "import django; django.setup(); " + SHOW], cwd=ROOT,
+        env={**run, "DJANGO_SETTINGS_MODULE": "reachconsole.settings"},
+        capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _names(tmp_path: Path, database_url: str, **env: str) -> list[str]:
-    return json.loads(_run(tmp_path, database_url, code=SHOW, **env).strip().splitlines()[-1])
+def test_each_console_gets_its_own_prefixes(tmp_path):
+    a = _prefixes(tmp_path, DATABASE_URL="postgres://u@db.example:5432/console_a")
+    b = _prefixes(tmp_path, DATABASE_URL="postgres://u@db.example:5432/console_b")
+    again = _prefixes(tmp_path, DATABASE_URL="postgres://u@db.example:5432/console_a")
+    assert a[0] == a[1] and a[0].startswith("reach-")
+    assert a != b and a == again  # distinct per console, stable across restarts
+    named = _prefixes(tmp_path, DATABASE_URL="postgres://u@db.example:5432/console_a",
+                      REACH_CONSOLE_ID="ops-eu")
+    assert named == ["ops-eu", "ops-eu"]
 
 
-@pytest.fixture(scope="module")
-def two_databases(tmp_path_factory) -> tuple[Path, Path]:
-    """Two consoles' databases, migrated as `manage.py migrate` does (the core app is where
-    the identity lives)."""
-    base = tmp_path_factory.mktemp("consoles")
-    files = base / "a" / "db.sqlite3", base / "b" / "db.sqlite3"
-    for file in files:
-        file.parent.mkdir()
-        _run(base, f"sqlite:///{file}", "migrate", "core", "--verbosity", "0")
-    return files
-
-
-def test_every_spelling_of_one_database_is_one_console(two_databases, tmp_path):
-    a, b = two_databases
-    first = _names(tmp_path, f"sqlite:///{a}")
-    # The same file spelled another way, as a second Daphne might be given it.
-    again = _names(tmp_path, f"sqlite:///{a.parent}/../{a.parent.name}/./{a.name}")
-    other = _names(tmp_path, f"sqlite:///{b}")
-    name = first[0]
-    assert first == again == [name, name, f"{name}:1:k"]
-    assert other[0] != name and other[1] == other[0]
-    # The first process to ask wrote the name the address gave before identities were rows:
-    # a console that upgrades keeps its broker sessions and Redis keys.
-    assert name == address_identity({"NAME": str(a)})
-
-
-def test_reach_console_id_names_the_console_outright(two_databases, tmp_path):
-    a, _ = two_databases
-    assert _names(tmp_path, f"sqlite:///{a}", REACH_CONSOLE_ID="ops-eu") == [
-        "ops-eu", "ops-eu", "ops-eu:1:k"]
-    prefixed = _names(tmp_path, f"sqlite:///{a}", REACH_CHANNEL_PREFIX="eu-events")
-    assert prefixed[1] == "eu-events" and prefixed[0] != "eu-events"
-
-
-def test_events_of_one_console_never_reach_another_on_the_same_redis(two_databases, tmp_path,
-                                                                    settings):
+def test_events_of_one_console_never_reach_another_on_the_same_redis(tmp_path, settings):
     if not settings.REDIS_URL:
         if expect_real_services():
             pytest.fail("REDIS_URL must be set in CI's second run")
         pytest.skip("needs Redis (REDIS_URL)")
     from channels_redis.pubsub import RedisPubSubChannelLayer
 
-    a, b = two_databases
-    prefix_a = _names(tmp_path, f"sqlite:///{a}")[1]
-    prefix_b = _names(tmp_path, f"sqlite:///{b}")[1]
+    prefix_a = _prefixes(tmp_path, DATABASE_URL="postgres://u@h:5432/console_a")[0]
+    prefix_b = _prefixes(tmp_path, DATABASE_URL="postgres://u@h:5432/console_b")[0]
 
     async def run() -> tuple[dict, bool]:
         a = RedisPubSubChannelLayer(hosts=[settings.REDIS_URL], prefix=prefix_a)

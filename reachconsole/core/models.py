@@ -1,6 +1,4 @@
-# Django loads an app's models from `models`; the audit trail lives in core/audit.py, the
-# console's identity in core/identity.py.
+# Django loads an app's models from `models`; the audit trail lives in core/audit.py.
 from reachconsole.core.audit import AuditEntry
-from reachconsole.core.identity import ConsoleIdentity
 
-__all__ = ["AuditEntry", "ConsoleIdentity"]
+__all__ = ["AuditEntry"]
