@@ -61,6 +61,15 @@ class Knobs:
     busy_nodes: frozenset[str] = frozenset()  # nodes that answer every request BUSY
 
 
+def _published(info: mqtt.MQTTMessageInfo) -> bool:
+    # paho raises for a message published while disconnected (its rc stays NO_CONN even
+    # once it is resent): ask whether the broker confirmed it, not how it first went.
+    try:
+        return info.is_published()
+    except (RuntimeError, ValueError):
+        return info._published  # noqa: SLF001  (set on its PUBACK either way)
+
+
 class BrokerUnusable(RuntimeError):
     """The simulated nodes cannot use the broker; the words say why and what to pass."""
 
@@ -245,7 +254,7 @@ class SimulatedCluster:
         counted in on_publish: paho calls that holding its own lock, which a publishing
         thread may be waiting on."""
         with self._count_lock:
-            still = [info for info in self._unconfirmed if not info.is_published()]
+            still = [info for info in self._unconfirmed if not _published(info)]
             self._confirmed += len(self._unconfirmed) - len(still)
             self._unconfirmed = still
             return self._confirmed
