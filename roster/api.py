@@ -59,12 +59,12 @@ def identity_object_normalize(data: Any) -> Any:
     if not isinstance(namespace, str) or not namespace:
         raise ValueError("namespace must be a non-empty string (or leave it out and send "
                          "agentId as `namespace.name`)")
-    given = agent_id.replace("/", ".").partition(".")
-    if not given[1]:
+    own, _ = services.agent_id_split(agent_id.strip())
+    if not own:
         data["agentId"] = f"{namespace}.{agent_id}"
-    elif given[0] != namespace:
+    elif own != namespace:
         raise ValueError(f"namespace {namespace!r} contradicts the agent id {agent_id!r}, whose "
-                         f"namespace is {given[0]!r}: send one of them")
+                         f"namespace is {own!r}: send one of them")
     return data
 
 

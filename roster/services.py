@@ -83,15 +83,19 @@ class Lease:
         return self.agent.lease_expires_at
 
 
+def agent_id_split(text: str) -> tuple[str, str]:
+    """`fin.tax` or `fin/tax` → ("fin", "tax"), unchecked; ("", text) without a separator.
+    A `/` wins over dots, which a name may hold (`fin/tax.v2`)."""
+    namespace, separator, name = text.partition("/" if "/" in text else ".")
+    return (namespace, name) if separator else ("", text)
+
+
 def agent_id_parse(raw: Any) -> AgentRef:
     """`fin.tax` or `fin/tax` → AgentRef; anything else raises InvalidAgentId."""
     if not isinstance(raw, str) or not raw.strip():
         raise InvalidAgentId(errors.AGENT_ID_MISSING.format(help=AGENT_ID_HELP))
     text = raw.strip()
-    if "/" in text:
-        namespace, _, name = text.partition("/")
-    else:
-        namespace, _, name = text.partition(".")
+    namespace, name = agent_id_split(text)
     if (not NAMESPACE_RE.fullmatch(namespace) or not name or not NAME_RE.fullmatch(name)
             or len(text) > AGENT_ID_MAX_LENGTH):
         raise InvalidAgentId(errors.AGENT_ID_INVALID.format(raw=raw[:100], help=AGENT_ID_HELP))
