@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -188,9 +189,9 @@ def test_simulate_runs_beside_make_run_on_its_embedded_broker(console, tmp_path)
                      "both simulated clusters did not come ONLINE side by side")
 
             def executed():
-                lines = [line for line in log_path.read_text().splitlines()
-                         if line.startswith("sent ")]
-                return lines and int(lines[-1].split("executed ")[1].split(",")[0]) >= 5
+                counts = re.findall(r"^sent \d+ tasks, executed (\d+)", log_path.read_text(),
+                                    re.MULTILINE)
+                return counts and int(counts[-1]) >= 5
 
             wait_for(executed, 40, "the second cluster did not execute tasks")
         finally:
@@ -200,8 +201,8 @@ def test_simulate_runs_beside_make_run_on_its_embedded_broker(console, tmp_path)
     assert code == 0, output[-3000:]
     assert "speaks MQTT 3.1.1 only" in output, output[-3000:]
     assert "sim-node-a-two, sim-node-b-two" in output
-    sent, executed = (int(word) for word in output.splitlines()[-1].split()[1::3][:2])
-    assert sent > 0 and executed > 0, output[-3000:]
+    last = re.match(r"sent (\d+) tasks, executed (\d+)", output.splitlines()[-1])
+    assert last and int(last[1]) > 0 and int(last[2]) > 0, output[-3000:]
 
 
 def test_simulate_says_at_once_when_no_broker_answers(tmp_path):

@@ -250,9 +250,13 @@ class SimulatedCluster:
 
     @property
     def published_requests(self) -> int:
-        """Task requests the broker confirmed (PUBACK). Read from paho's message infos, not
-        counted in on_publish: paho calls that holding its own lock, which a publishing
-        thread may be waiting on."""
+        """Task requests the broker confirmed (PUBACK)."""
+        return self._confirmations_count()
+
+    def _confirmations_count(self) -> int:
+        # Read from paho's message infos, not counted in on_publish: paho calls that holding
+        # its own lock, which a publishing thread may be waiting on. The confirmed ones are
+        # dropped from the list as they are counted.
         with self._count_lock:
             still = [info for info in self._unconfirmed if not _published(info)]
             self._confirmed += len(self._unconfirmed) - len(still)
@@ -361,7 +365,7 @@ class SimulatedCluster:
                 self._unconfirmed.append(info)
                 crowded = len(self._unconfirmed) > 1000
             if crowded:  # nobody may read the count (make run's cluster): keep it short
-                _ = self.published_requests
+                self._confirmations_count()
 
     # --- lifecycle -------------------------------------------------------------------------------
     def _run_node(self, node: SimulatedNode, index: int) -> None:
