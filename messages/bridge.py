@@ -81,6 +81,9 @@ RETRY_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 # How bridges split the inbound topics (README "Scaling out"): "auto" shares them when the
 # broker can (MQTT 5 without SharedSubscriptionAvailable = 0), else one bridge ingests.
 INGEST_CHOICES = ("auto", "shared", "single")
+# The subscription identifier of the plain own-inbox subscription ("what each bridge
+# subscribes to"): how a copy through it is told from the shared group's.
+PLAIN_INBOX_SID = 1
 LOCK_TRY_EVERY_S = 1.0  # single mode: how often a standby tries the lock, the holder checks it
 # The database or the cache (Redis: the idempotency window) is down: wait, don't skip.
 INFRA_DOWN = (OperationalError, InterfaceError, redis.exceptions.ConnectionError,
@@ -95,6 +98,7 @@ class _Received:
     qos: int
     generation: int
     received_at: float = 0.0  # time.time() when paho handed it over
+    copy: bool = False  # came through the plain own-inbox subscription (see _plain_inbox)
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,10 +377,13 @@ class Bridge:
     # observed traffic and heartbeats (QoS 0) that is a gap in a record; for the console's
     # own inbox it is an answer the console waits for (a send stuck ACKED). So every bridge
     # also keeps a plain subscription to its own inbox, which a persistent session keeps
-    # over a restart. The extra copies are absorbed: exact repeats within a batch are
-    # dropped before the insert (`_ingest`), the rest by the unique message id (a repeated
-    # request to one of the console's own agents is answered ACK `duplicate: true`, as any
-    # redelivery on an at-least-once bus is).
+    # over a restart (and which hears what a share handed to a stopped member's session).
+    # That makes one publish arrive once through the group and once per bridge plainly;
+    # the plain subscription carries a subscription identifier (PLAIN_INBOX_SID), so each
+    # copy says which way it came, and a plain copy is only ever a stand-in: it is stored
+    # and acted on when it is the first to arrive, and never answered, counted or refused
+    # as a repeat (messages/inbound.py, "copies"). One message in, one answer out. A broker
+    # without subscription identifiers gets no plain subscription: the shared group alone.
     #
     # The heartbeats are not shared either. A share of them goes to every member of the
     # group, a bridge that stopped included (its persistent session stays a member until it
@@ -409,13 +416,17 @@ class Bridge:
             return subs
         if self.ingest_mode != "shared":
             return subs + self._inbound_topics()
-        own, beats = self._own_inbox(), protocol.heartbeat_wildcard(self.prefix)
-        subs += [(self._shared(t), q) for t, q in self._inbound_topics()
-                 if t not in (own, beats)]
+        beats = protocol.heartbeat_wildcard(self.prefix)
+        subs += [(self._shared(t), q) for t, q in self._inbound_topics() if t != beats]
         subs.append((beats, 0))  # every bridge hears every heartbeat: see above
-        if own:
-            subs.append((own, 1))  # plain as well: see above
         return subs
+
+    def _plain_inbox(self) -> str:
+        """The own inbox's plain subscription beside the shared one (see above), or ""."""
+        if (self._ingesting and self.ingest_mode == "shared"
+                and self.caps.get("subscription_identifiers") is not False):
+            return self._own_inbox()
+        return ""
 
     def _stale_filters(self) -> list[str]:
         """Inbound filters this bridge must not hold now: its persistent session keeps what
@@ -424,10 +435,14 @@ class Bridge:
         plain = [t for t, _ in self._inbound_topics()]
         beats = protocol.heartbeat_wildcard(self.prefix)
         if self.ingest_mode == "shared":
-            # The shared heartbeat filter of an earlier version, too (see above).
-            return [t for t in plain if t not in (self._own_inbox(), beats)] + [
-                self._shared(beats)]
+            # The shared heartbeat filter of an earlier version, too (see above), and the
+            # plain own inbox when the broker cannot say which copy is which.
+            own = self._own_inbox()
+            return [t for t in plain if t not in (own, beats)] + [self._shared(beats)] + (
+                [own] if own and not self._plain_inbox() else [])
         stale = [] if self._ingesting or not self._lock_asked else plain
+        if self.monitor and self._own_inbox():
+            stale.append(self._own_inbox())  # the plain own inbox of a shared-mode run
         if self.caps.get("shared_subscriptions"):
             # Only a broker that takes `$share/` filters is sent them (single mode by
             # setting); to one without, even an UNSUBSCRIBE of one may be a protocol error.
@@ -444,6 +459,13 @@ class Bridge:
         if client is None:
             return
         with self._subscribe_lock:
+            plain = self._plain_inbox()
+            if plain:
+                # Its own SUBSCRIBE: an identifier is given per packet. Granted before the
+                # rest (the broker answers in order), so `listening` covers it too.
+                props = Properties(PacketTypes.SUBSCRIBE)
+                props.SubscriptionIdentifier = PLAIN_INBOX_SID
+                client.subscribe(plain, qos=1, properties=props)
             subscriptions = self._subscriptions()
             _, mid = client.subscribe(subscriptions)
             if then_listen:
@@ -665,8 +687,9 @@ class Bridge:
             else:
                 self.counts["probe_malformed"] += 1
             return
+        ids = getattr(message.properties, "SubscriptionIdentifier", None) or ()
         self._work.put(_Received(message.topic, message.payload, message.mid, message.qos,
-                                 self.generation, time.time()))
+                                 self.generation, time.time(), PLAIN_INBOX_SID in ids))
 
     def _broker_dropped(self, payload: bytes) -> None:
         """Mosquitto's count of messages it dropped (queues full, clients too slow): the only
@@ -874,12 +897,16 @@ class Bridge:
         return items
 
     def _ingest(self, received: list[_Received]) -> None:
-        # One message through two of our subscriptions (the own inbox, plain and shared)
-        # comes twice, usually in one batch: stored once, answered once. Every copy is
-        # still acknowledged after the commit.
-        batch = list(dict.fromkeys(
-            Incoming(r.topic, r.payload, datetime.fromtimestamp(r.received_at, tz=UTC))
-            for r in received))
+        # One message through both of our subscriptions to the own inbox (plain and shared)
+        # comes twice, usually in one batch: the shared copy is kept, the plain one is
+        # dropped. Every copy is still acknowledged after the commit.
+        kept: dict[tuple[str, bytes], Incoming] = {}
+        for r in received:
+            key = (r.topic, r.payload)
+            if key not in kept or (kept[key].copy and not r.copy):
+                kept[key] = Incoming(r.topic, r.payload,
+                                     datetime.fromtimestamp(r.received_at, tz=UTC), copy=r.copy)
+        batch = list(kept.values())
         attempt = 0
         while True:
             try:

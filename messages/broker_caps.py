@@ -41,6 +41,10 @@ LIMITS = {
                   "not seen here; watch the broker's own log"),
     "session_expiry": ("no session expiry (MQTT 3.1.1): how long the broker keeps a stopped "
                        "bridge's messages is the broker's own setting"),
+    "subscription_identifiers": (
+        "no subscription identifiers: the console's own inbox is heard through the shared "
+        "group only, so an answer published while a restarted broker has not yet restored "
+        "the group is lost"),
 }
 
 _lock = threading.Lock()
@@ -49,15 +53,20 @@ _errors: dict[str, str] = {}  # instance → the connection error last logged
 
 
 def connack_caps(*, v5: bool, properties, requested_expiry_s: int) -> dict:
-    """The capabilities a CONNACK tells: shared subscriptions and the session expiry the
-    broker granted. MQTT 5 says "available" by leaving the property out; MQTT 3.1.1 has
-    neither."""
+    """The capabilities a CONNACK tells: shared subscriptions, subscription identifiers and
+    the session expiry the broker granted. MQTT 5 says "available" by leaving the property
+    out; MQTT 3.1.1 has none of them."""
     if not v5:
-        return {"mqtt5": False, "shared_subscriptions": False, "session_expiry": None}
+        # No subscription identifiers either, but nothing needs them without shares.
+        return {"mqtt5": False, "shared_subscriptions": False, "session_expiry": None,
+                "subscription_identifiers": None}
     shared = getattr(properties, "SharedSubscriptionAvailable", 1)
     # A broker may lower the expiry we asked for; it says so in the CONNACK.
     expiry = getattr(properties, "SessionExpiryInterval", requested_expiry_s)
-    return {"mqtt5": True, "shared_subscriptions": bool(shared), "session_expiry": expiry}
+    identifiers = getattr(properties, "SubscriptionIdentifierAvailable", 1)
+    return {"mqtt5": True, "shared_subscriptions": bool(shared), "session_expiry": expiry,
+            # Only a broker that shares needs them (messages/bridge.py, the own inbox).
+            "subscription_identifiers": bool(identifiers) if shared else None}
 
 
 def limitations(entry: dict) -> list[str]:

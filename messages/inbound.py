@@ -4,7 +4,8 @@
    to us that still names itself and a valid origin node is told why (NACK);
 2. drop self-originated messages (heartbeats by `originNodeId` only);
 3. answer a duplicate request (same idempotency key in the window, or a messageId already
-   stored) with ACK `duplicate: true`, without executing or storing it again;
+   stored) with ACK `duplicate: true`, without executing or storing it again; a copy of
+   one publish that came through a second subscription is no duplicate (`Incoming.copy`);
 4. store each message once (`ON CONFLICT DO NOTHING`), then act only on rows this call
    inserted: ACK/NACK/BUSY move the acknowledged send and TASK_RESPONSE completes its
    request, when they come from the node it was sent to on the requester's inbox (else
@@ -34,7 +35,12 @@ from messages import protocol, signing
 from messages.delivery import retry_or_give_up
 from messages.events import events_on_commit, message_events
 from messages.handlers import LOCAL_HANDLERS
-from messages.idempotency import idempotency_claim, idempotency_release
+from messages.idempotency import (
+    copies_stood_in,
+    copies_twin_take,
+    idempotency_claim,
+    idempotency_release,
+)
 from messages.ledger import Ledger
 from messages.load import held_release
 from messages.models import Direction, Message, Status
@@ -83,6 +89,11 @@ class Incoming:
     # When the bridge was handed it: a heartbeat's age is judged then, not when a batch held
     # up by a database outage is stored. Not part of its identity (copies are stored once).
     received_at: datetime | None = field(default=None, compare=False)
+    # Through the plain own-inbox subscription, beside the shared group's copy of the same
+    # publish (messages/bridge.py "what each bridge subscribes to"): a stand-in only. Stored
+    # and acted on when it is the first copy to arrive; never answered, counted or refused
+    # as a repeat, since the group's copy is the one that speaks for the publish.
+    copy: bool = field(default=False, compare=False)
 
 
 @dataclass
@@ -192,6 +203,7 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
     signed: dict[int, bool] = {}  # by id() of a heartbeat's envelope: whether it was signed
     refusals: dict[str, str] = {}  # node → why a message speaking for it was refused
     rejected: list[protocol.Rejection] = []  # requests to us the decoder refused
+    copies: set[int] = set()  # id() of rows that came as a stand-in copy (Incoming.copy)
     for item in batch:
         match = protocol.parse_topic(prefix, item.topic)
         if match is None:
@@ -199,6 +211,9 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
             _log_once_a_minute("unknown_topic", f"topic {item.topic[:200]!r}")
             continue
         env = protocol.decode(item.payload, max_bytes=settings.REACH_MAX_MESSAGE_BYTES)
+        if isinstance(env, protocol.Rejection) and item.copy:
+            counts["inbox_copies"] += 1  # the group's copy counts it and answers it
+            continue
         if isinstance(env, protocol.Rejection):
             counts[f"rejected:{env.reason.value}"] += 1
             _log_once_a_minute(env.reason.value, f"on {item.topic[:200]}: {env.detail}")
@@ -238,6 +253,8 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
                                            and env.message_type in REQUESTS):
             _signature_judge(row, env, refusals=refusals, counts=counts)
         rows.append(row)
+        if item.copy:
+            copies.add(id(row))
 
     if heartbeats:
         heartbeats = heartbeats_first_copy(heartbeats=heartbeats, receiver=receiver,
@@ -263,7 +280,7 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
     claims: list[tuple[str, str]] = []
     try:
         _ingest_rows(rows, node_id=node_id, now=now, result=result, claims=claims,
-                     rejected=rejected, drains=drains)
+                     rejected=rejected, drains=drains, copies=copies)
     except BaseException:
         idempotency_release(node_id=node_id, claims=claims)
         raise
@@ -288,7 +305,7 @@ def _reroute(pk: int, *, now: datetime, result: IngestResult) -> None:
 
 def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result: IngestResult,
                  claims: list[tuple[str, str]], rejected: list[protocol.Rejection],
-                 drains: dict[str, DrainAnswer]) -> None:
+                 drains: dict[str, DrainAnswer], copies: set[int]) -> None:
     if not rows and not rejected:
         return
     counts = result.counts
@@ -298,16 +315,19 @@ def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result
     with transaction.atomic():
         duplicates, rows = _split_duplicates(rows, node_id=node_id, claims=claims)
         fresh = messages_insert_new(rows, ledger=ledger)
-        counts["duplicate_message_id"] += len(rows) - len(fresh)
         counts["stored"] += len(fresh)
         result.stored = len(fresh)
         replies: list[Message] = []
         inserted = {id(row) for row in fresh}
+        repeats = _repeats(rows, fresh=fresh, inserted=inserted, copies=copies,
+                           node_id=node_id, counts=counts)
+        counts["duplicate_message_id"] += len(repeats)
         # PROTOCOL.md rule 3: a repeated idempotency key, or a repeated messageId, is not run
         # again and is answered ACK `duplicate: true`.
+        counts["inbox_copies"] += sum(id(row) in copies for row in duplicates)
+        duplicates = [row for row in duplicates if id(row) not in copies]
         counts["duplicate_idempotency_key"] += len(duplicates)
-        for row in duplicates + [r for r in rows if id(r) not in inserted
-                                 and r.direction == Direction.RECV
+        for row in duplicates + [r for r in repeats if r.direction == Direction.RECV
                                  and r.message_type in REQUESTS]:
             ack = reply_row(to=row, message_type=MT.ACK, payload={"duplicate": True}, now=now,
                             extra_headers={"ackFor": row.message_id})
@@ -354,6 +374,31 @@ def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result
         result.to_publish += [reply.pk for reply in sent]
         ledger.write()
         events_on_commit(events)
+
+
+def _repeats(rows: list[ReceivedRow], *, fresh: list[ReceivedRow], inserted: set[int],
+             copies: set[int], node_id: str, counts: Counter) -> list[ReceivedRow]:
+    """The rows not inserted that are real repeats of a stored message. A stand-in copy
+    (Incoming.copy) never is; nor is the group's copy of a publish whose stand-in was stored
+    first: the stand-in leaves a mark for it (messages/idempotency.py)."""
+    stood_in = [row.message_id for row in fresh if id(row) in copies]
+    if stood_in:
+        copies_stood_in(node_id=node_id, message_ids=stood_in)
+    again = [row for row in rows if id(row) not in inserted]
+    if not again:
+        return []
+    twins = copies_twin_take(node_id=node_id, message_ids=[
+        row.message_id for row in again
+        if id(row) not in copies and row.direction == Direction.RECV])
+    repeats = [row for row in again if id(row) not in copies and row.message_id not in twins]
+    counts["inbox_copies"] += len(again) - len(repeats)
+    # What the console itself sent, heard back through the inbox wildcard (monitor mode):
+    # not self by rule 2 when it speaks for an agent the console does not host (a NACK for
+    # an unknown one), and already stored as the send it is.
+    echoes = {id(row) for row in repeats if row.direction == Direction.OBSERVED
+              and row.origin_node_id == node_id}
+    counts["own_echoes"] += len(echoes)
+    return [row for row in repeats if id(row) not in echoes]
 
 
 def _answers_refused(refused: list[tuple[Change, str, str]], answers: dict[int, ReceivedRow],

@@ -33,18 +33,31 @@ def test_it_shares_the_inbound_topics_on_an_mqtt5_broker():
         PROBE,
         ("$share/reach-g/p/node/+/inbox", 1),
         ("p/heartbeat/+", 0),  # every bridge hears every heartbeat: none lost with a member
-        ("p/node/console/inbox", 1),  # plain too: survives a broker restart
     ]
+    # Plain too, in a SUBSCRIBE of its own that marks its copies: survives a broker restart.
+    assert b._plain_inbox() == "p/node/console/inbox"
     # What an earlier single-mode run of this session may have left, and the shared
     # heartbeat filter of an earlier version.
     assert b._stale_filters() == ["p/node/+/inbox", "$share/reach-g/p/heartbeat/+"]
 
 
-def test_without_monitor_nothing_is_shared_but_the_bridges_each_hear_every_heartbeat():
+def test_a_broker_without_subscription_identifiers_hears_the_own_inbox_once():
+    """No way to tell a plain copy from the group's: no plain subscription, and one an
+    earlier run left is dropped."""
+    b = bridge()
+    b.caps.update({"shared_subscriptions": True, "subscription_identifiers": False})
+    b._ingest_mode_decide()
+    assert b._plain_inbox() == ""
+    assert "p/node/console/inbox" in b._stale_filters()
+
+
+def test_without_monitor_only_the_own_inbox_is_shared_and_every_heartbeat_heard():
     b = bridge(monitor=False)
     b._ingest_mode_decide()
-    assert b._subscriptions() == [(BROKER_DROPPED_TOPIC, 0), PROBE, ("p/heartbeat/+", 0),
-                                  ("p/node/console/inbox", 1)]
+    assert b._subscriptions() == [(BROKER_DROPPED_TOPIC, 0), PROBE,
+                                  ("$share/reach-g/p/node/console/inbox", 1),
+                                  ("p/heartbeat/+", 0)]
+    assert b._plain_inbox() == "p/node/console/inbox"
 
 
 @pytest.mark.parametrize(("kwargs", "caps"), [

@@ -40,13 +40,20 @@ def _fresh_record():
 def test_it_reads_shared_subscriptions_and_session_expiry_from_the_connack():
     props = Properties(PacketTypes.CONNACK)
     assert connack_caps(v5=True, properties=props, requested_expiry_s=3600) == {
-        "mqtt5": True, "shared_subscriptions": True, "session_expiry": 3600}
+        "mqtt5": True, "shared_subscriptions": True, "session_expiry": 3600,
+        "subscription_identifiers": True}
+    props.SubscriptionIdentifierAvailable = 0
+    assert connack_caps(v5=True, properties=props, requested_expiry_s=3600)[
+        "subscription_identifiers"] is False
     props.SharedSubscriptionAvailable = 0
     props.SessionExpiryInterval = 60  # the broker lowered what we asked for
+    # Without shares nothing needs identifiers: not said as a limitation.
     assert connack_caps(v5=True, properties=props, requested_expiry_s=3600) == {
-        "mqtt5": True, "shared_subscriptions": False, "session_expiry": 60}
+        "mqtt5": True, "shared_subscriptions": False, "session_expiry": 60,
+        "subscription_identifiers": None}
     assert connack_caps(v5=False, properties=None, requested_expiry_s=3600) == {
-        "mqtt5": False, "shared_subscriptions": False, "session_expiry": None}
+        "mqtt5": False, "shared_subscriptions": False, "session_expiry": None,
+        "subscription_identifiers": None}
 
 
 def test_each_limitation_is_logged_once_per_bridge(caplog):
@@ -56,10 +63,12 @@ def test_each_limitation_is_logged_once_per_bridge(caplog):
                            **connack_caps(v5=False, properties=None, requested_expiry_s=0))
         broker_caps_record(instance="b1", sys_drops=False)
     said = [r.getMessage() for r in caplog.records]
+    # Each once; identifiers are no limitation without shares.
+    expected = {words for key, words in LIMITS.items() if key != "subscription_identifiers"}
     assert len(said) == 3, said
-    assert {s.split(": ", 1)[1] for s in said} == set(LIMITS.values())
+    assert {s.split(": ", 1)[1] for s in said} == expected
     (entry,) = broker_caps_read()
-    assert entry["instance"] == "b1" and set(entry["limits"]) == set(LIMITS.values())
+    assert entry["instance"] == "b1" and set(entry["limits"]) == expected
 
 
 def test_a_connection_error_is_logged_once_until_it_changes(caplog):
