@@ -19,7 +19,7 @@ PORT ?= 8000
 MQTT_PORT ?=
 
 run: $(STAMP)
-	$(if $(MQTT_PORT),REACH_EMBEDDED_MQTT_PORT=$(MQTT_PORT) )$(BIN)/python manage.py runconsole --port $(PORT)
+	$(if $(MQTT_PORT),REACH_EMBEDDED_MQTT_PORT=$(MQTT_PORT) )$(BIN)/python manage.py runconsole --port $(PORT) $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

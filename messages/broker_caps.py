@@ -47,6 +47,10 @@ LIMITS = {
         "the group is lost"),
 }
 
+# What the embedded broker of `make run` lacks, in one line (said once, as information).
+EMBEDDED_WORDS = ("MQTT 3.1.1 only, so no shared subscriptions and no session expiry, and no "
+                  "$SYS drop counter")
+
 _lock = threading.Lock()
 _said: dict[str, set[str]] = {}  # instance → limitations already logged by this process
 _errors: dict[str, str] = {}  # instance → the connection error last logged
@@ -96,22 +100,27 @@ def broker_caps_record(*, instance: str, now: datetime | None = None, **facts) -
         try:
             entries = cache.get(CAPS_KEY) or {}
             entry = {**entries.get(instance, {}), **facts, "instance": instance,
-                     "at": now.isoformat()}
+                     "at": now.isoformat(), "embedded": settings.REACH_EMBEDDED_BROKER}
             entries[instance] = entry
             cutoff = now - timedelta(seconds=STALE_S)
             entries = {k: v for k, v in entries.items()
                        if datetime.fromisoformat(v["at"]) >= cutoff}
             cache.set(CAPS_KEY, entries, timeout=STALE_S * 10)
         except Exception as exc:
-            entry = {**facts}
+            entry = {**facts, "embedded": settings.REACH_EMBEDDED_BROKER}
             log.warning("could not record what the broker can do (%s)", exc)
-        # The embedded broker's limits are known and harmless on one machine: said, but not
-        # as warnings a newcomer's first `make run` would take for trouble.
-        level = logging.INFO if not settings.MQTT_URL else logging.WARNING
-        for words in limitations(entry):
-            if words not in said:
-                said.add(words)
-                log.log(level, "MQTT broker %s: %s", entry.get("url", ""), words)
+        found = [words for words in limitations(entry) if words not in said]
+        if found and entry.get("embedded"):
+            # make run's own broker: its limits are known and harmless in one process. Said
+            # once, as information, not as warnings a newcomer would take for trouble.
+            said.update(LIMITS.values())
+            log.info("MQTT broker %s is make run's embedded one: %s. Expected here; "
+                     "production runs Mosquitto or EMQX (deploy/README.md)",
+                     entry.get("url", ""), EMBEDDED_WORDS)
+            found = []
+        for words in found:
+            said.add(words)
+            log.warning("MQTT broker %s: %s", entry.get("url", ""), words)
         error = facts.get("error")
         if error and _errors.get(instance) != error:
             # Once per reason, not once per reconnect attempt: no wall of repeated lines.

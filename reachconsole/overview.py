@@ -22,7 +22,7 @@ from django.views.decorators.vary import vary_on_headers
 
 from alarms.selectors import active_tree
 from directory.coverage import capability_coverage
-from messages.broker_caps import broker_caps_read
+from messages.broker_caps import EMBEDDED_WORDS, broker_caps_read
 from messages.rollups import bounds_words
 from messages.selectors import load_totals
 from messages.stats import MessageStats, message_stats
@@ -155,7 +155,7 @@ def broker_state(*, now: datetime) -> dict:
     that cannot be read (Redis down) leaves the others shown."""
     ok, detail = health.broker_check()
     state: dict = {"ok": ok, "detail": detail, "bridges": [], "drops": None,
-                   "reconnects": None, "caps": [], "limits": []}
+                   "reconnects": None, "caps": [], "limits": [], "embedded": ""}
     try:
         state["bridges"] = bridges_hearing(now=now)
     except Exception as exc:  # the broker check above already says what failed
@@ -164,8 +164,12 @@ def broker_state(*, now: datetime) -> dict:
     try:
         # What each bridge found the broker cannot do (messages/broker_caps.py).
         state["caps"] = broker_caps_read(now=now)
-        state["limits"] = sorted({words for entry in state["caps"] if entry.get("connected")
-                                  for words in entry["limits"]})
+        live = [entry for entry in state["caps"] if entry.get("connected")]
+        if live and all(entry.get("embedded") for entry in live):
+            # make run's own broker: what it lacks is expected there, said once, calmly.
+            state["embedded"] = EMBEDDED_WORDS
+        else:
+            state["limits"] = sorted({words for entry in live for words in entry["limits"]})
         state["drops"] = cache.get(BROKER_DROPS_KEY)
         counters = counters_snapshot()
         state["reconnects"] = sum(v for k, v in counters.items() if k.startswith("reconnects:"))

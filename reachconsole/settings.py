@@ -239,6 +239,8 @@ if MQTT_CA_FILE and not Path(MQTT_CA_FILE).is_file():
     raise ImproperlyConfigured(f"MQTT_CA_FILE={MQTT_CA_FILE} is not a readable file")
 MQTT_TOPIC_PREFIX = env_str("MQTT_TOPIC_PREFIX", "ooder")
 REACH_EMBEDDED_MQTT_PORT = env_int("REACH_EMBEDDED_MQTT_PORT", 1883, minimum=1)
+# Set by runconsole when it starts that broker: its known limits are information, not alarms.
+REACH_EMBEDDED_BROKER = False
 REACH_NODE_ID = env_str("REACH_NODE_ID", "console")
 REACH_IDEMPOTENCY_TTL_S = env_int("REACH_IDEMPOTENCY_TTL_S", 3600, minimum=1)
 # Retries (PROTOCOL.md "Outbound state machine").

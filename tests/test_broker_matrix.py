@@ -18,6 +18,7 @@ from paho.mqtt.properties import Properties
 
 from messages.broker_caps import (
     CAPS_KEY,
+    EMBEDDED_WORDS,
     LIMITS,
     broker_caps_read,
     broker_caps_record,
@@ -69,6 +70,25 @@ def test_each_limitation_is_logged_once_per_bridge(caplog):
     assert {s.split(": ", 1)[1] for s in said} == expected
     (entry,) = broker_caps_read()
     assert entry["instance"] == "b1" and set(entry["limits"]) == expected
+
+
+def test_make_runs_embedded_broker_says_its_limits_once_as_information(caplog, settings):
+    """A newcomer's first `make run` shows no warnings about the broker it started itself,
+    and the overview one calm line instead of a list of what it cannot do."""
+    settings.REACH_EMBEDDED_BROKER = True  # as runconsole sets it
+    caplog.set_level(logging.INFO, logger="messages.broker_caps")
+    for _ in range(3):
+        broker_caps_record(instance="b3", url="mqtt://127.0.0.1:1883", protocol="3.1.1",
+                           connected=True,
+                           **connack_caps(v5=False, properties=None, requested_expiry_s=0))
+        broker_caps_record(instance="b3", sys_drops=False)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert said == [(logging.INFO, "MQTT broker mqtt://127.0.0.1:1883 is make run's embedded "
+                     f"one: {EMBEDDED_WORDS}. Expected here; production runs Mosquitto or "
+                     "EMQX (deploy/README.md)")]
+    viewer = logged_in(reader("embedded-viewer"))
+    page = viewer.get("/overview/").content.decode()
+    assert "data-broker-embedded" in page and "data-broker-limit" not in page
 
 
 def test_a_connection_error_is_logged_once_until_it_changes(caplog):

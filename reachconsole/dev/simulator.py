@@ -41,6 +41,17 @@ NAMESPACES = {
 }
 
 
+# What one agent can be made to do wrong while the cluster runs (runconsole's flags, the
+# /practice/ page): the words say what an operator will see.
+FAULTS = {
+    "": "works normally",
+    "slow": "answers, but takes 8 s a task",
+    "failing": "accepts every task and fails it (TASK_RESPONSE ok=false)",
+    "silent": "says nothing: no ACK, no answer (its tasks are retried, then fail)",
+}
+SLOW_FAULT_MS = 8000
+
+
 @dataclass
 class SimulatedAgent:
     agent_id: str
@@ -48,6 +59,7 @@ class SimulatedAgent:
     groups: list[str]
     max_inflight: int
     inflight: int = 0
+    fault: str = ""  # a key of FAULTS
 
 
 @dataclass
@@ -309,6 +321,9 @@ class SimulatedCluster:
             self._reply(node, env, MT.NACK, {"reason": f"{node.node_id} hosts no agent "
                         f"{env.to_agent_id}", "retryable": False}, ackFor=env.message_id)
             return
+        agent = next(a for a in node.agents if a.agent_id == env.to_agent_id)
+        if agent.fault == "silent":
+            return  # not even remembered: a retry is as unanswered as the first try
         key = env.idempotency_key
         with node.lock:
             duplicate = key in node.seen_keys
@@ -328,19 +343,76 @@ class SimulatedCluster:
                         ackFor=env.message_id)
             return
         self._reply(node, env, MT.ACK, {}, ackFor=env.message_id)
-        agent = next(a for a in node.agents if a.agent_id == env.to_agent_id)
         with node.lock:
             node.executions[key] += 1
             agent.inflight += 1
+        failed = agent.fault == "failing" or self.rng.random() < self.knobs.fail_rate
+        if agent.fault == "slow":
+            # On a timer: the node goes on heartbeating and answering its other agents.
+            timer = threading.Timer(SLOW_FAULT_MS / 1000, self._finish,
+                                    args=(node, agent, env, failed))
+            timer.daemon = True
+            timer.start()
+            return
         if self.knobs.slow_ms:
             time.sleep(self.knobs.slow_ms / 1000)
+        self._finish(node, agent, env, failed)
+
+    def _finish(self, node: SimulatedNode, agent: SimulatedAgent, env: protocol.Envelope,
+                failed: bool) -> None:
         with node.lock:
             agent.inflight -= 1
-        if self.rng.random() < self.knobs.fail_rate:
-            payload = {"ok": False, "error": "simulated failure"}
+        if failed:
+            why = "fault: failing" if agent.fault == "failing" else "--fail-rate"
+            payload = {"ok": False, "error": f"simulated failure ({why})"}
         else:
             payload = {"ok": True, "result": {"echo": env.payload, "by": node.node_id}}
         self._reply(node, env, MT.TASK_RESPONSE, payload, inReplyTo=env.message_id)
+
+    # --- faults on purpose, while it runs ------------------------------------------------------
+    def node(self, node_id: str) -> SimulatedNode:
+        for node in self.nodes:
+            if node.node_id == node_id:
+                return node
+        raise KeyError(f"no simulated node {node_id!r}: "
+                       f"{', '.join(n.node_id for n in self.nodes)}")
+
+    def agent(self, agent_id: str) -> SimulatedAgent:
+        for node in self.nodes:
+            for agent in node.agents:
+                if agent.agent_id == agent_id:
+                    return agent
+        raise KeyError(f"no simulated agent {agent_id!r}")
+
+    def agent_fault(self, agent_id: str, fault: str) -> None:
+        """Make one agent slow, failing or silent ("" for normal again)."""
+        if fault not in FAULTS:
+            raise ValueError(f"fault {fault!r}: use one of "
+                             f"{', '.join(repr(f) for f in FAULTS)}")
+        self.agent(agent_id).fault = fault
+        log.warning("simulator: %s now %s", agent_id, FAULTS[fault])
+
+    def node_stop(self, node_id: str) -> None:
+        """The node goes silent: no heartbeat, no answer, its broker connection closed (its
+        session keeps what comes meanwhile, as a crashed node's would)."""
+        node = self.node(node_id)
+        node.alive = False
+        client, node.client = node.client, None
+        node.connected.clear()
+        node.subscribed.clear()
+        if client is not None:
+            client.disconnect()
+            client.loop_stop()
+        log.warning("simulator: %s stopped", node_id)
+
+    def node_start(self, node_id: str) -> None:
+        """A stopped node comes back: it connects again and heartbeats."""
+        node = self.node(node_id)
+        if node.alive:
+            return
+        node.alive = True
+        self._connect(node)
+        log.warning("simulator: %s started again", node_id)
 
     def send_task(self, node: SimulatedNode) -> None:
         others = [n for n in self.nodes if n is not node and n.agents]
@@ -375,19 +447,20 @@ class SimulatedCluster:
         # A node announces itself (heartbeats) only once it can hear its inbox.
         node.subscribed.wait(10)
         started = time.monotonic()
+        killed = False
         next_beat = 0.0
         per_node_rate = self.knobs.rate / max(1, len(self.nodes))
         next_task = time.monotonic() + (self.rng.random() / per_node_rate if per_node_rate else 0)
         while not self._stop.is_set():
             now = time.monotonic()
             if (self.knobs.kill_node_after is not None and index == len(self.nodes) - 1
-                    and now - started > self.knobs.kill_node_after):
-                node.alive = False
+                    and now - started > self.knobs.kill_node_after and not killed):
+                killed = True
                 log.warning("simulator: %s goes silent (--kill-node-after)", node.node_id)
-                if node.client is not None:
-                    node.client.disconnect()
-                    node.client.loop_stop()
-                return
+                self.node_stop(node.node_id)
+            if not node.alive:
+                self._stop.wait(0.2)
+                continue
             if now >= next_beat:
                 self.heartbeat(node)
                 next_beat = now + node.heartbeat_ms / 1000

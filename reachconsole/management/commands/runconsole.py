@@ -118,6 +118,27 @@ def sign_in_words(user, *, kept: Path, login_url: str) -> list[str]:
     return lines
 
 
+def faults_parse(asked: list[str], *, agents: list[str]) -> list[tuple[str, str]]:
+    """`--simulate-fault AGENT=FAULT`, each checked against the simulated cluster's agents
+    and the faults it knows, before anything is started."""
+    from reachconsole.dev.simulator import FAULTS
+
+    faults = []
+    for item in asked:
+        agent_id, sep, fault = (part.strip() for part in item.partition("="))
+        if not sep:
+            raise CommandError(f"--simulate-fault {item!r}: write AGENT=FAULT, e.g. "
+                               f"{agents[0] if agents else 'fin.tax'}=silent")
+        if agent_id not in agents:
+            raise CommandError(f"--simulate-fault {item!r}: no simulated agent {agent_id!r}; "
+                               f"they are {', '.join(agents)}")
+        if fault not in FAULTS or not fault:
+            raise CommandError(f"--simulate-fault {item!r}: the faults are "
+                               f"{', '.join(f for f in FAULTS if f)}")
+        faults.append((agent_id, fault))
+    return faults
+
+
 class Command(BaseCommand):
     help = "Run the console, its worker, beat, an embedded broker and a simulated cluster."
 
@@ -128,15 +149,40 @@ class Command(BaseCommand):
                             help="do not run a Celery worker and beat in this process")
         parser.add_argument("--simulate-nodes", type=int, default=3,
                             help="simulated nodes (0: none)")
-        parser.add_argument("--simulate-agents", type=int, default=12)
+        parser.add_argument("--simulate-agents", type=int, default=12,
+                            help="simulated agents, spread over the nodes (default 12)")
         parser.add_argument("--simulate-rate", type=float, default=2.0,
                             help="tasks per second the simulated cluster sends")
         parser.add_argument("--simulate-heartbeat-ms", type=int, default=None,
                             help="simulated nodes' heartbeat (default: what the lease says)")
+        # Faults on purpose (README "Make something go wrong"); /practice/ switches them
+        # while it runs.
+        parser.add_argument("--simulate-fail-rate", type=float, default=0.0,
+                            help="share of tasks answered ok=false, 0..1 (default 0)")
+        parser.add_argument("--simulate-busy-rate", type=float, default=0.0,
+                            help="share of requests answered BUSY, 0..1 (default 0)")
+        parser.add_argument("--simulate-nack-rate", type=float, default=0.0,
+                            help="share of requests refused with a retryable NACK, 0..1")
+        parser.add_argument("--simulate-slow-ms", type=int, default=50,
+                            help="milliseconds each task takes (default 50)")
+        parser.add_argument("--simulate-kill-node-after", type=float, default=None,
+                            help="seconds after which the last simulated node goes silent")
+        parser.add_argument("--simulate-fault", action="append", default=[],
+                            metavar="AGENT=FAULT",
+                            help="one agent slow, failing or silent from the start, e.g. "
+                                 "fin.tax=silent (repeatable)")
 
     def handle(self, *args, **options) -> None:
         ports_check(host=options["host"], port=options["port"],
                     mqtt_port=None if settings.MQTT_URL else settings.REACH_EMBEDDED_MQTT_PORT)
+        faults = []
+        if options["simulate_nodes"] > 0:
+            from reachconsole.dev.simulator import cluster_plan
+
+            plan = cluster_plan(nodes=options["simulate_nodes"],
+                                agents=options["simulate_agents"])
+            faults = faults_parse(options["simulate_fault"],
+                                  agents=[a.agent_id for n in plan for a in n.agents])
         # Events go out on Daphne's loop: the in-memory channel layer only works from the
         # loop its consumers run on.
         from daphne.server import twisted_loop
@@ -159,17 +205,32 @@ class Command(BaseCommand):
             self.stdout.write("Celery worker and beat: running in this process")
         simulator = None
         if options["simulate_nodes"] > 0:
+            from reachconsole.dev.practice import practice_offer
             from reachconsole.dev.simulator import Knobs, SimulatedCluster
 
             simulator = SimulatedCluster(
                 base_url=base_url, token=token, mqtt_url=settings.MQTT_URL,
                 nodes=options["simulate_nodes"], agents=options["simulate_agents"],
-                knobs=Knobs(rate=options["simulate_rate"]), prefix=settings.MQTT_TOPIC_PREFIX,
-                mqtt_protocol=settings.MQTT_PROTOCOL,
+                knobs=Knobs(rate=options["simulate_rate"],
+                            fail_rate=options["simulate_fail_rate"],
+                            busy_rate=options["simulate_busy_rate"],
+                            nack_rate=options["simulate_nack_rate"],
+                            slow_ms=options["simulate_slow_ms"],
+                            kill_node_after=options["simulate_kill_node_after"]),
+                prefix=settings.MQTT_TOPIC_PREFIX, mqtt_protocol=settings.MQTT_PROTOCOL,
                 keyring=signing.keyring_for(settings.REACH_SIGNING_KEYS),
                 heartbeat_ms=options["simulate_heartbeat_ms"],
             )
+            for agent_id, fault in faults:
+                simulator.agent_fault(agent_id, fault)
+            practice_offer(simulator)
+        # The console's URLs and /practice/ (reachconsole/dev/practice.py), which acts on
+        # this process's simulated cluster and so exists only here.
+        settings.ROOT_URLCONF = "reachconsole.dev.urls"
         self.stdout.write(self.style.SUCCESS(f"Console: {base_url}/  (Ctrl-C stops everything)"))
+        if simulator:
+            self.stdout.write(f"Make something go wrong: {base_url}/practice/  (stop a node, "
+                              "make an agent slow, failing or silent)")
         try:
             self._serve(options["host"], options["port"], on_ready=simulator.start
                         if simulator else None)
@@ -222,6 +283,7 @@ class Command(BaseCommand):
         # the embedded broker speaks MQTT 3.1.1 only (persistent sessions via clean_session).
         settings.MQTT_URL = broker.url
         settings.MQTT_PROTOCOL = "3.1.1"
+        settings.REACH_EMBEDDED_BROKER = True
         self.stdout.write(f"MQTT broker (embedded): {broker.url}")
         return broker
 
