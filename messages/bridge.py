@@ -443,8 +443,13 @@ class Bridge:
             # The shared heartbeat filter of an earlier version, too (see above), and the
             # plain own inbox when the broker cannot say which copy is which.
             own = self._own_inbox()
+            # What a run with the other REACH_MONITOR left: the other shared inbox filter
+            # (the own inbox through it twice, neither copy marked) and the plain wildcard.
+            wildcard = protocol.inbox_wildcard(self.prefix)
+            other = ([self._shared(own)] if own else []) if self.monitor else [
+                self._shared(wildcard), wildcard]
             return [t for t in plain if t not in (own, beats)] + [self._shared(beats)] + (
-                [own] if own and not self._plain_inbox() else [])
+                [own] if own and not self._plain_inbox() else []) + other
         stale = [] if self._ingesting or not self._lock_asked else plain
         if self.monitor and self._own_inbox():
             stale.append(self._own_inbox())  # the plain own inbox of a shared-mode run
@@ -695,8 +700,9 @@ class Bridge:
                 self.counts["probe_malformed"] += 1
             return
         ids = getattr(message.properties, "SubscriptionIdentifier", None) or ()
+        copy = PLAIN_INBOX_SID in ids and bool(self._plain_inbox())
         self._work.put(_Received(message.topic, message.payload, message.mid, message.qos,
-                                 self.generation, time.time(), PLAIN_INBOX_SID in ids))
+                                 self.generation, time.time(), copy))
 
     def _broker_dropped(self, payload: bytes) -> None:
         """Mosquitto's count of messages it dropped (queues full, clients too slow): the only

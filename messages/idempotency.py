@@ -37,15 +37,18 @@ def _key(node_id: str, key: str) -> str:
     return PREFIX + hashlib.sha256(f"{node_id}\x00{key}".encode()).hexdigest()
 
 
-def idempotency_claim(*, node_id: str, key: str, message_id: str) -> bool:
-    """True when `message_id` holds the key (claimed now, or earlier by itself)."""
+def idempotency_claim(*, node_id: str, key: str, message_id: str) -> str:
+    """Whether `message_id` holds the key: "added" (claimed now), "held" (claimed earlier by
+    itself: a redelivery), or "" (another transmission holds it). Only an "added" claim is
+    the caller's to give back."""
     cache_key = _key(node_id, key)
     if cache.add(cache_key, message_id, timeout=settings.REACH_IDEMPOTENCY_TTL_S):
-        return True
+        return "added"
     holder = cache.get(cache_key)
     if holder is None:  # expired between the two calls
-        return cache.add(cache_key, message_id, timeout=settings.REACH_IDEMPOTENCY_TTL_S)
-    return holder == message_id
+        added = cache.add(cache_key, message_id, timeout=settings.REACH_IDEMPOTENCY_TTL_S)
+        return "added" if added else ""
+    return "held" if holder == message_id else ""
 
 
 def idempotency_release(*, node_id: str, claims: list[tuple[str, str]]) -> None:

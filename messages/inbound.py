@@ -251,7 +251,10 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
         row = received_row(env, topic=item.topic, direction=direction, now=now)
         if env.message_type in ANSWERS or (direction == Direction.RECV
                                            and env.message_type in REQUESTS):
-            _signature_judge(row, env, refusals=refusals, counts=counts)
+            # A stand-in's refusal is on its row if it is stored first; counted once, by the
+            # group's copy.
+            _signature_judge(row, env, refusals=refusals,
+                             counts=Counter() if item.copy else counts)
         rows.append(row)
         if item.copy:
             copies.add(id(row))
@@ -319,6 +322,15 @@ def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result
         result.stored = len(fresh)
         replies: list[Message] = []
         inserted = {id(row) for row in fresh}
+        # A key claimed here for a row that was stored already (a copy of a request whose
+        # stored first copy was refused, and gave its key back) is not this row's to keep:
+        # the sender's corrected request must still run.
+        claimed = set(claims)
+        again = [(r.idempotency_key, r.message_id) for r in rows if id(r) not in inserted
+                 and (r.idempotency_key, r.message_id) in claimed]
+        if again:
+            idempotency_release(node_id=node_id, claims=again)
+            claims[:] = [c for c in claims if c not in set(again)]
         repeats = _repeats(rows, fresh=fresh, inserted=inserted, copies=copies,
                            node_id=node_id, counts=counts)
         counts["duplicate_message_id"] += len(repeats)
@@ -451,15 +463,18 @@ def _split_duplicates(rows: list[ReceivedRow], *, node_id: str, claims: list[tup
                       ) -> tuple[list[ReceivedRow], list[ReceivedRow]]:
     """TASK_REQUESTs to this node whose work another transmission already claimed in the
     idempotency window (messages/idempotency.py). Keys claimed here are added to `claims`
-    so the caller can give them back if the batch does not commit."""
+    so the caller can give them back if the batch does not commit, or if the row turns out
+    to be stored already."""
     duplicates, keep = [], []
     for row in rows:
         if row.direction == Direction.RECV and row.message_type == MT.TASK_REQUEST:
-            if not idempotency_claim(node_id=node_id, key=row.idempotency_key,
-                                     message_id=row.message_id):
+            claim = idempotency_claim(node_id=node_id, key=row.idempotency_key,
+                                      message_id=row.message_id)
+            if not claim:
                 duplicates.append(row)
                 continue
-            claims.append((row.idempotency_key, row.message_id))
+            if claim == "added":  # a redelivery's key stays its original's
+                claims.append((row.idempotency_key, row.message_id))
         keep.append(row)
     return duplicates, keep
 

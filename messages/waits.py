@@ -134,12 +134,15 @@ class AnswerWaits:
                         future.set_result(None)
 
     async def _listen(self) -> None:
-        layer = get_channel_layer()
-        if layer is None:
-            return  # no channel layer: the waiters' own reads find the answer
         channel = ""
         keeper = None
+        layer = None
         try:
+            # Inside the try: making the layer may fail too (its prefix, the console's name,
+            # is read from the database: reachconsole/core/identity.py).
+            layer = get_channel_layer()
+            if layer is None:
+                return  # no channel layer: the waiters' own reads find the answer
             channel = await layer.new_channel("answers.")
             await layer.group_add(ANSWERS_GROUP, channel)
             keeper = asyncio.create_task(self._keep())
@@ -171,7 +174,7 @@ class AnswerWaits:
             self._live_since = None
             if keeper is not None and keeper is not asyncio.current_task():
                 keeper.cancel()
-            if channel:
+            if channel and layer is not None:
                 try:
                     await layer.group_discard(ANSWERS_GROUP, channel)
                 except Exception:  # noqa: BLE001, S110 - leaving is best effort; the group expires

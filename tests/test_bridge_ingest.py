@@ -36,9 +36,10 @@ def test_it_shares_the_inbound_topics_on_an_mqtt5_broker():
     ]
     # Plain too, in a SUBSCRIBE of its own that marks its copies: survives a broker restart.
     assert b._plain_inbox() == "p/node/console/inbox"
-    # What an earlier single-mode run of this session may have left, and the shared
-    # heartbeat filter of an earlier version.
-    assert b._stale_filters() == ["p/node/+/inbox", "$share/reach-g/p/heartbeat/+"]
+    # What an earlier single-mode run of this session may have left, the shared heartbeat
+    # filter of an earlier version, and the own inbox's share of a run without monitor.
+    assert b._stale_filters() == ["p/node/+/inbox", "$share/reach-g/p/heartbeat/+",
+                                  "$share/reach-g/p/node/console/inbox"]
 
 
 def test_a_broker_without_subscription_identifiers_hears_the_own_inbox_once():
@@ -58,6 +59,9 @@ def test_without_monitor_only_the_own_inbox_is_shared_and_every_heartbeat_heard(
                                   ("$share/reach-g/p/node/console/inbox", 1),
                                   ("p/heartbeat/+", 0)]
     assert b._plain_inbox() == "p/node/console/inbox"
+    # A monitoring run's filters go: through them the own inbox would come twice more.
+    assert b._stale_filters() == ["$share/reach-g/p/heartbeat/+", "$share/reach-g/p/node/+/inbox",
+                                  "p/node/+/inbox"]
 
 
 @pytest.mark.parametrize(("kwargs", "caps"), [

@@ -117,3 +117,57 @@ def test_two_bridges_answer_each_publish_once_and_count_it_once(broker, settings
     # Every publish reached both bridges plainly and one through the group: the rest were
     # stand-ins (some dropped before a batch, beside their group copy, and not counted).
     assert 0 < delta("inbox_copies") <= 2 * 18
+
+
+def _ingest(env_or_bytes, *, copy: bool) -> None:
+    from messages.inbound import Incoming, messages_ingest
+
+    payload = env_or_bytes if isinstance(env_or_bytes, bytes) else protocol.encode(env_or_bytes)
+    messages_ingest(batch=[Incoming(protocol.inbox_topic("ooder", "console"), payload,
+                                    copy=copy)], node_id="console", prefix="ooder")
+
+
+@pytest.mark.django_db
+def test_a_stand_in_stored_first_silences_its_group_copy_but_not_a_real_repeat():
+    """The order two bridges may see: the plain copy stored first, the group's copy after
+    it, then the same transmission published again."""
+    env = _request("ops.probe")
+    _ingest(env, copy=True)
+    assert _answers([env.message_id])[env.message_id] == ["ACK", "TASK_RESPONSE"]
+    _ingest(env, copy=False)  # the group's copy of the same publish
+    _ingest(env, copy=True)  # another bridge's stand-in
+    assert _answers([env.message_id])[env.message_id] == ["ACK", "TASK_RESPONSE"]
+    _ingest(env, copy=False)  # published again: a real repeat
+    assert _answers([env.message_id])[env.message_id] == [
+        "ACK", "TASK_RESPONSE", "duplicate ACK"]
+    # Another transmission of the same work, as a stand-in first: answered by its group copy.
+    retry = protocol.new_envelope(
+        message_type=MT.TASK_REQUEST, from_agent_id="fin.tax", to_agent_id="ops.probe",
+        target_node_id="console", task_id=env.task_id,
+        headers={**env.headers, "idempotencyKey": env.idempotency_key}, payload={"q": 1})
+    _ingest(retry, copy=True)
+    assert _answers([retry.message_id])[retry.message_id] == []
+    _ingest(retry, copy=False)
+    assert _answers([retry.message_id])[retry.message_id] == ["duplicate ACK"]
+
+
+@pytest.mark.django_db(transaction=True)  # the refusal gives its key back on commit
+def test_a_refused_request_seen_again_as_a_copy_leaves_its_key_for_the_corrected_one():
+    """A request without replyNodeId is refused and gives its idempotency key back; a later
+    copy of it must not take the key again, or the sender's corrected request (same key)
+    would be answered as a duplicate and never run."""
+    key = f"fix-{uuid.uuid4().hex}"
+    broken = protocol.new_envelope(
+        message_type=MT.TASK_REQUEST, from_agent_id="fin.tax", to_agent_id="ops.probe",
+        target_node_id="console", task_id=key,
+        headers={"originNodeId": "node-b", "idempotencyKey": key}, payload={"q": 1})
+    _ingest(broken, copy=True)
+    _ingest(broken, copy=False)
+    assert _answers([broken.message_id])[broken.message_id] == ["NACK"]
+    fixed = protocol.new_envelope(
+        message_type=MT.TASK_REQUEST, from_agent_id="fin.tax", to_agent_id="ops.probe",
+        target_node_id="console", task_id=key,
+        headers={"originNodeId": "node-b", "replyNodeId": "node-b", "idempotencyKey": key},
+        payload={"q": 1})
+    _ingest(fixed, copy=False)
+    assert _answers([fixed.message_id])[fixed.message_id] == ["ACK", "TASK_RESPONSE"]

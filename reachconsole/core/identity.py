@@ -12,14 +12,15 @@ or a restore can take away; a copy of the database on another cluster, or under 
 name, is another console. `REACH_CONSOLE_ID` names it outright and is then the only word.
 
 Read once a process, when first needed (or at a process's start: console_id_warm), in a
-thread of its own: callers include the channel layer on Daphne's event loop, where the ORM
-refuses to run. While the database cannot be read the name is not known, and callers get
-the database's error (for a few seconds without asking again, so an event loop is not held
-up by one connection attempt after another).
+thread of its own. On an event loop (the channel layer on Daphne's) it is never waited for:
+an unknown name is read in the background and the caller told the database has not
+answered. While the database cannot be read the name is not known, and callers get the
+database's error (for a few seconds without asking again).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -27,7 +28,7 @@ import threading
 import time
 
 from django.conf import settings
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, OperationalError, connections
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -61,9 +62,13 @@ def database_facts(alias: str = "default") -> str:
         try:
             cursor.execute("SELECT system_identifier::text FROM pg_control_system()")
             cluster = cursor.fetchone()[0]
-        except DatabaseError:
+        except DatabaseError as exc:
             # A role that may not read it (some managed services): the server's own view
-            # of where it listens, which the client's spelling does not change.
+            # of where it listens. Weaker (an IPv6 or a socket connection is seen elsewhere),
+            # so said: such a console should name itself.
+            log.warning("cannot read PostgreSQL's system identifier (%s): the console's name "
+                        "comes from the server's listen address; set REACH_CONSOLE_ID so "
+                        "every process agrees whatever way it connects", exc)
             cursor.execute("SELECT coalesce(host(inet_server_addr()), 'local') || ':' || "
                            "coalesce(inet_server_port(), 0)")
             cluster = cursor.fetchone()[0]
@@ -84,7 +89,9 @@ def address_identity(db: dict) -> str:
 def _read() -> None:
     global _resolved
     try:
-        _resolved = identity_from(database_facts())
+        facts = database_facts()
+        _resolved = identity_from(facts)
+        log.info("the console's name is %s (from its database: %s)", _resolved, facts)
     finally:
         # A thread of its own: give its connection back rather than leave it open.
         connections.close_all()
@@ -94,33 +101,59 @@ def console_id(*, retry: bool = False) -> str:
     """The console's name: `REACH_CONSOLE_ID`, else derived from its database (read once a
     process). Raises the database's error while it cannot be read (`retry`: ask again at
     once, not after RETRY_AFTER_S)."""
-    global _failed
     if settings.REACH_CONSOLE_ID:
         return settings.REACH_CONSOLE_ID
     if _resolved is not None:
         return _resolved
+    if _on_event_loop():
+        # Never wait on an event loop: a database that does not answer would hold up every
+        # socket of the process for a connect timeout. Read in the background; the caller
+        # is told the database is not there yet, as a read would have told it.
+        _read_in_background()
+        raise OperationalError("the console's name is not known yet: it is read from the "
+                               "database, which has not answered since this process started")
     with _lock:
         if _resolved is None:
             if (not retry and _failed is not None
                     and time.monotonic() - _failed[0] < RETRY_AFTER_S):
                 raise _failed[1]
-            failure: list[BaseException] = []
-
-            def read() -> None:
-                try:
-                    _read()
-                except BaseException as exc:  # noqa: BLE001  (re-raised in the caller)
-                    failure.append(exc)
-
-            thread = threading.Thread(target=read, name="console-identity", daemon=True)
+            thread = threading.Thread(target=_read_once, name="console-identity", daemon=True)
             thread.start()
             thread.join()
-            if failure:
-                _failed = (time.monotonic(), failure[0])
-                raise failure[0]
-            _failed = None
+            if _resolved is None:
+                assert _failed is not None
+                raise _failed[1]
     assert _resolved is not None
     return _resolved
+
+
+def _read_once() -> None:
+    global _failed
+    try:
+        _read()
+        _failed = None
+    except BaseException as exc:  # noqa: BLE001  (raised again in the caller)
+        _failed = (time.monotonic(), exc)
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+_background: threading.Thread | None = None
+
+
+def _read_in_background() -> None:
+    global _background
+    with _lock:
+        if _resolved is None and (_background is None or not _background.is_alive()):
+            _background = threading.Thread(target=_read_once, name="console-identity",
+                                           daemon=True)
+            _background.start()
 
 
 def console_id_warm() -> bool:

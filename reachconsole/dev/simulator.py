@@ -255,9 +255,10 @@ class SimulatedCluster:
 
     def _publish(self, node: SimulatedNode, to_node: str,
                  env: protocol.Envelope) -> mqtt.MQTTMessageInfo | None:
-        if node.client is None:
+        client = node.client  # once: node_stop may clear it meanwhile
+        if client is None:
             return None
-        return node.client.publish(protocol.inbox_topic(self.prefix, to_node),
+        return client.publish(protocol.inbox_topic(self.prefix, to_node),
                                    protocol.encode(env, key=self.keys.get(node.node_id)), qos=1)
 
     @property
@@ -300,8 +301,9 @@ class SimulatedCluster:
             headers={"originNodeId": node.node_id},
             payload={"heartbeatMs": node.heartbeat_ms, "agents": agents},
         )
-        if node.client is not None:
-            node.client.publish(protocol.heartbeat_topic(self.prefix, node.node_id),
+        client = node.client  # once: node_stop may clear it meanwhile
+        if client is not None:
+            client.publish(protocol.heartbeat_topic(self.prefix, node.node_id),
                                 protocol.encode(env, key=self.keys.get(node.node_id)), qos=0)
 
     def handle(self, node: SimulatedNode, raw: bytes) -> None:
