@@ -26,17 +26,21 @@ def practice_offer(cluster: SimulatedCluster | None) -> None:
     _cluster = cluster
 
 
+def _refused(request: HttpRequest, status: int, title: str, detail: str) -> HttpResponse:
+    return render(request, "errors/error.html",
+                  {"status": status, "title": title, "detail": detail}, status=status)
+
+
 def _partial(request: HttpRequest) -> bool:
     return bool(request.headers.get("HX-Request") and not request.headers.get("HX-Boosted"))
 
 
 def _page(request: HttpRequest, done: str = "") -> HttpResponse:
     if _cluster is None:
-        return render(request, "errors/error.html", {
-            "status": 404, "title": "No simulated cluster",
-            "detail": "This console runs no simulated cluster (make run --simulate-nodes 0?): "
-                      "there is nothing to stop or slow down here. manage.py simulate has "
-                      "the same faults as flags."}, status=404)
+        return _refused(request, 404, "No simulated cluster",
+                        "This console runs no simulated cluster (make run --simulate-nodes 0?): "
+                        "there is nothing to stop or slow down here. manage.py simulate has "
+                        "the same faults as flags.")
     nodes = [{"node_id": n.node_id, "alive": n.alive,
               "agents": [{"agent_id": a.agent_id, "fault": a.fault} for a in n.agents]}
              for n in _cluster.nodes]
@@ -68,9 +72,7 @@ def node_switch(request: HttpRequest, node_id: str, to: str) -> HttpResponse:
     try:
         (_cluster.node_start if to == "start" else _cluster.node_stop)(node_id)
     except KeyError as exc:
-        return render(request, "errors/error.html", {
-            "status": 404, "title": "No such simulated node", "detail": exc.args[0]},
-            status=404)
+        return _refused(request, 404, "No such simulated node", exc.args[0])
     words = (f"{node_id} started again: it connects and heartbeats." if to == "start" else
              f"{node_id} stopped: no heartbeats, no answers. Its agents go STALE within two "
              "heartbeats, then OFFLINE when their lease runs out; work sent to them fails.")
@@ -87,8 +89,7 @@ def agent_fault(request: HttpRequest, agent_id: str) -> HttpResponse:
     try:
         _cluster.agent_fault(agent_id, fault)
     except (KeyError, ValueError) as exc:
-        status = 404 if isinstance(exc, KeyError) else 400
-        return render(request, "errors/error.html", {
-            "status": status, "title": "Not changed", "detail": exc.args[0]}, status=status)
+        return _refused(request, 404 if isinstance(exc, KeyError) else 400, "Not changed",
+                        exc.args[0])
     words = f"{agent_id} now {FAULTS[fault]}."
     return _done(request, action="practice_agent_fault", target=agent_id, words=words)

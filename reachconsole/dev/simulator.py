@@ -73,6 +73,31 @@ class Knobs:
     busy_nodes: frozenset[str] = frozenset()  # nodes that answer every request BUSY
 
 
+def fault_arguments_add(parser, *, prefix: str = "") -> None:
+    """The fault knobs as command-line flags: `manage.py simulate`'s, and runconsole's for
+    its own cluster (with `prefix` "simulate-"). Read back with knobs_from."""
+    def add(name: str, kind: type, default, words: str) -> None:
+        parser.add_argument(f"--{prefix}{name}", type=kind, default=default, help=words)
+
+    add("fail-rate", float, 0.0, "share of tasks, 0 to 1, answered with ok=false (TASK_ERROR; "
+        "default 0)")
+    add("busy-rate", float, 0.0, "share of requests, 0 to 1, answered BUSY (default 0)")
+    add("nack-rate", float, 0.0, "share of requests, 0 to 1, refused with a NACK (default 0)")
+    add("slow-ms", int, 50, "milliseconds each task takes before its answer (default 50)")
+    add("kill-node-after", float, None, "seconds after which the last node goes silent "
+        "(default: never)")
+
+
+def knobs_from(options: dict, *, rate: float, prefix: str = "") -> Knobs:
+    """The Knobs that fault_arguments_add's flags asked for."""
+    def get(name: str):
+        return options[(prefix + name).replace("-", "_")]
+
+    return Knobs(rate=rate, fail_rate=get("fail-rate"), busy_rate=get("busy-rate"),
+                 nack_rate=get("nack-rate"), slow_ms=get("slow-ms"),
+                 kill_node_after=get("kill-node-after"))
+
+
 def _published(info: mqtt.MQTTMessageInfo) -> bool:
     # paho raises for a message published while disconnected (its rc stays NO_CONN even
     # once it is resent): ask whether the broker confirmed it, not how it first went.

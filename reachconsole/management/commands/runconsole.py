@@ -157,16 +157,9 @@ class Command(BaseCommand):
                             help="simulated nodes' heartbeat (default: what the lease says)")
         # Faults on purpose (README "Make something go wrong"); /practice/ switches them
         # while it runs.
-        parser.add_argument("--simulate-fail-rate", type=float, default=0.0,
-                            help="share of tasks answered ok=false, 0..1 (default 0)")
-        parser.add_argument("--simulate-busy-rate", type=float, default=0.0,
-                            help="share of requests answered BUSY, 0..1 (default 0)")
-        parser.add_argument("--simulate-nack-rate", type=float, default=0.0,
-                            help="share of requests refused with a retryable NACK, 0..1")
-        parser.add_argument("--simulate-slow-ms", type=int, default=50,
-                            help="milliseconds each task takes (default 50)")
-        parser.add_argument("--simulate-kill-node-after", type=float, default=None,
-                            help="seconds after which the last simulated node goes silent")
+        from reachconsole.dev.simulator import fault_arguments_add
+
+        fault_arguments_add(parser, prefix="simulate-")
         parser.add_argument("--simulate-fault", action="append", default=[],
                             metavar="AGENT=FAULT",
                             help="one agent slow, failing or silent from the start, e.g. "
@@ -206,17 +199,12 @@ class Command(BaseCommand):
         simulator = None
         if options["simulate_nodes"] > 0:
             from reachconsole.dev.practice import practice_offer
-            from reachconsole.dev.simulator import Knobs, SimulatedCluster
+            from reachconsole.dev.simulator import SimulatedCluster, knobs_from
 
             simulator = SimulatedCluster(
                 base_url=base_url, token=token, mqtt_url=settings.MQTT_URL,
                 nodes=options["simulate_nodes"], agents=options["simulate_agents"],
-                knobs=Knobs(rate=options["simulate_rate"],
-                            fail_rate=options["simulate_fail_rate"],
-                            busy_rate=options["simulate_busy_rate"],
-                            nack_rate=options["simulate_nack_rate"],
-                            slow_ms=options["simulate_slow_ms"],
-                            kill_node_after=options["simulate_kill_node_after"]),
+                knobs=knobs_from(options, rate=options["simulate_rate"], prefix="simulate-"),
                 prefix=settings.MQTT_TOPIC_PREFIX, mqtt_protocol=settings.MQTT_PROTOCOL,
                 keyring=signing.keyring_for(settings.REACH_SIGNING_KEYS),
                 heartbeat_ms=options["simulate_heartbeat_ms"],

@@ -13,9 +13,10 @@ from messages import signing
 from messages.mqtt_client import url_redacted
 from reachconsole.dev.simulator import (
     BrokerUnusable,
-    Knobs,
     SimulatedCluster,
     broker_protocol_detect,
+    fault_arguments_add,
+    knobs_from,
 )
 
 
@@ -27,18 +28,7 @@ class Command(BaseCommand):
         parser.add_argument("--agents", type=int, default=12,
                             help="agents, spread over the nodes (default 12)")
         parser.add_argument("--rate", type=float, default=20.0, help="tasks per second in all")
-        parser.add_argument("--fail-rate", type=float, default=0.0,
-                            help="share of tasks, 0 to 1, answered with ok=false "
-                                 "(TASK_ERROR; default 0)")
-        parser.add_argument("--busy-rate", type=float, default=0.0,
-                            help="share of requests, 0 to 1, answered BUSY (default 0)")
-        parser.add_argument("--nack-rate", type=float, default=0.0,
-                            help="share of requests, 0 to 1, refused with a NACK (default 0)")
-        parser.add_argument("--slow-ms", type=int, default=50,
-                            help="milliseconds each task takes before its answer (default 50)")
-        parser.add_argument("--kill-node-after", type=float, default=None,
-                            help="seconds after which the last node goes silent (default: "
-                                 "never)")
+        fault_arguments_add(parser)
         parser.add_argument("--seed", type=int, default=7,
                             help="random seed: the same seed, the same traffic (default 7)")
         parser.add_argument("--url", default="http://127.0.0.1:8000",
@@ -81,9 +71,7 @@ class Command(BaseCommand):
             agents=o["agents"], seed=o["seed"], prefix=settings.MQTT_TOPIC_PREFIX,
             mqtt_protocol=mqtt_protocol, tag=tag,
             keyring=signing.keyring_for(settings.REACH_SIGNING_KEYS),
-            knobs=Knobs(rate=o["rate"], fail_rate=o["fail_rate"], busy_rate=o["busy_rate"],
-                        nack_rate=o["nack_rate"], slow_ms=o["slow_ms"],
-                        kill_node_after=o["kill_node_after"]),
+            knobs=knobs_from(o, rate=o["rate"]),
         )
         stop = threading.Event()
         signal.signal(signal.SIGINT, lambda *_: stop.set())
