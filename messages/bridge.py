@@ -66,6 +66,7 @@ from messages.outbox import (
 )
 from messages.rows import row_encode
 from messages.state import Change, changes_apply, late_pubacks_record
+from reachconsole.core import identity
 from reachconsole.core.logs import log_fields
 from reachconsole.core.metrics import LocalCounter
 from roster.hearing import PROBE_EVERY_S, hearing_lost, hearing_record
@@ -166,10 +167,10 @@ def connection_keep() -> None:
 def client_id_for(node_id: str, instance: str, console_id: str = "") -> str:
     """One fixed id per bridge of one console: a persistent session, and two bridges with one
     id kick each other off the broker for as long as both run. The console's identity
-    (settings.REACH_CONSOLE_ID, derived from its database) is in it: two consoles on one
+    (reachconsole/core/identity.py, read from its database) is in it: two consoles on one
     broker with the default node id were both `reach-console-1`. Kept within 64 characters
     without cutting the instance off."""
-    console = console_id or settings.REACH_CONSOLE_ID
+    console = console_id or identity.console_id()
     node = node_id or "anon"
     client_id = f"{console}-{node}-{instance}"
     if len(client_id) > 64:
@@ -178,9 +179,12 @@ def client_id_for(node_id: str, instance: str, console_id: str = "") -> str:
     return client_id[:64]
 
 
-def legacy_client_id(node_id: str, instance: str) -> str:
-    """The id bridges had before the console's identity was in it (see client_id_for)."""
-    return f"reach-{node_id or 'anon'}-{instance}"[:64]
+def legacy_client_ids(node_id: str, instance: str) -> list[str]:
+    """The ids this bridge had under earlier versions: before the console's identity was in
+    it, and while that identity was a hash of how the database's address was spelled."""
+    return [f"reach-{node_id or 'anon'}-{instance}"[:64],
+            client_id_for(node_id, instance,
+                          identity.address_identity(settings.DATABASES["default"]))]
 
 
 class Bridge:
@@ -275,7 +279,8 @@ class Bridge:
             session_expiry_s=settings.MQTT_SESSION_EXPIRY_S,
             max_queued=settings.MQTT_MAX_QUEUED, batch=settings.REACH_BRIDGE_BATCH,
             heartbeat_ms=settings.REACH_HEARTBEAT_MS,
-            share_group=settings.REACH_BRIDGE_SHARE_GROUP, ingest=settings.REACH_BRIDGE_INGEST,
+            share_group=settings.REACH_BRIDGE_SHARE_GROUP or identity.console_id(),
+            ingest=settings.REACH_BRIDGE_INGEST,
             keepalive_s=settings.MQTT_KEEPALIVE_S,
         )
 
@@ -299,7 +304,7 @@ class Bridge:
         # Used only if the broker cannot share subscriptions (decided on each CONNACK).
         self._ingest_lock = IngestLock(name=self.share_group)
         self._register_local_agents()
-        threading.Thread(target=self._legacy_session_end, name="mqtt-legacy-session",
+        threading.Thread(target=self._legacy_sessions_end, name="mqtt-legacy-session",
                          daemon=True).start()
         if self.v5:
             props = Properties(PacketTypes.CONNECT)
@@ -627,15 +632,17 @@ class Bridge:
             self._ingest_mode_decide()
             self._sync_subscriptions(client, then_listen=True)
 
-    def _legacy_session_end(self) -> None:
+    def _legacy_sessions_end(self) -> None:
+        for legacy in dict.fromkeys(legacy_client_ids(self.node_id, self.instance)):
+            if legacy != self.client_id:
+                self._legacy_session_end(legacy)
+
+    def _legacy_session_end(self, legacy: str) -> None:
         """End the persistent session an earlier version left under the id it used then
-        (`legacy_client_id`): left alone, it would keep its subscriptions, and with them a
+        (`legacy_client_ids`): left alone, it would keep its subscriptions, and with them a
         share of the console's messages queued where no bridge reads them, until it
         expires. Connecting once with a clean start ends it; a broker that cannot be
         reached now is tried again at the next start."""
-        legacy = legacy_client_id(self.node_id, self.instance)
-        if legacy == self.client_id:
-            return
         client = mqtt_client(target=self.target, client_id=legacy, clean_session=True)
         answered = threading.Event()
         client.on_connect = lambda *args: answered.set()

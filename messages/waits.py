@@ -138,7 +138,8 @@ class AnswerWaits:
         keeper = None
         layer = None
         try:
-            # Inside the try: making the layer may fail too (Redis, its settings).
+            # Inside the try: making the layer may fail too (its prefix, the console's name,
+            # is read from the database: reachconsole/core/identity.py).
             layer = get_channel_layer()
             if layer is None:
                 return  # no channel layer: the waiters' own reads find the answer

@@ -11,7 +11,12 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs Django set u
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from reachconsole.core.identity import console_id_warm  # noqa: E402
 from reachconsole.routing import websocket_urlpatterns  # noqa: E402
+
+# Now, not on the first event: Daphne's loop would wait on that read (a database that is not
+# up yet is read on first use instead).
+console_id_warm()
 
 application = ProtocolTypeRouter(
     {

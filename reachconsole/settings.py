@@ -6,7 +6,6 @@ process on SQLite, an in-memory channel layer and Celery transport, and an embed
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 from pathlib import Path
 from urllib.parse import urlparse
@@ -155,29 +154,24 @@ DATABASES = {"default": _db}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Redis: channel layer, cache, Celery --------------------------------------------------
-def console_identity(db: dict) -> str:
-    """One console owns one database: a short, stable name derived from it, so consoles that
-    share a Redis server (whatever its db number) keep their events and cache keys apart."""
-    where = f"{db.get('HOST') or ''}:{db.get('PORT') or ''}/{db.get('NAME')}"
-    return "reach-" + hashlib.sha256(where.encode()).hexdigest()[:12]
-
-
-REACH_CONSOLE_ID = env_str("REACH_CONSOLE_ID") or console_identity(_db)
+# The console's name (reachconsole/core/identity.py): given here, or else read from its
+# database, once a process, when first needed: the channel layer's and the cache's prefixes
+# and the bridges' client ids and share group carry it.
+REACH_CONSOLE_ID = env_str("REACH_CONSOLE_ID", "")
 REDIS_URL = env_str("REDIS_URL") or None
 EMBEDDED = REDIS_URL is None
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
-            "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL],
-                       "prefix": env_str("REACH_CHANNEL_PREFIX", REACH_CONSOLE_ID)},
+            "BACKEND": "reachconsole.core.channel_layer.ConsoleChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL], "prefix": env_str("REACH_CHANNEL_PREFIX", "")},
         }
     }
     CACHES = {
         "default": {
             "BACKEND": "django.core.cache.backends.redis.RedisCache",
             "LOCATION": REDIS_URL,
-            "KEY_PREFIX": REACH_CONSOLE_ID,
+            "KEY_FUNCTION": "reachconsole.core.identity.cache_key",
         }
     }
 else:
@@ -279,9 +273,10 @@ REACH_BRIDGE_INSTANCE = env_str("REACH_BRIDGE_INSTANCE", "1")
 REACH_BRIDGE_BATCH = env_int("REACH_BRIDGE_BATCH", 500, minimum=1)
 # Scaling out (README "Scaling out"): the bridges of one console share the inbound topics
 # through MQTT 5 shared subscriptions in this group. Per console by default, so two consoles
-# on one broker each get every message and their own bridges split it.
-REACH_BRIDGE_SHARE_GROUP = env_str("REACH_BRIDGE_SHARE_GROUP", REACH_CONSOLE_ID)
-if not REACH_BRIDGE_SHARE_GROUP or set(REACH_BRIDGE_SHARE_GROUP) & set("/+#"):
+# on one broker each get every message and their own bridges split it. Empty: the console's
+# name (Bridge.from_settings).
+REACH_BRIDGE_SHARE_GROUP = env_str("REACH_BRIDGE_SHARE_GROUP", "")
+if set(REACH_BRIDGE_SHARE_GROUP) & set("/+#"):
     raise ImproperlyConfigured(f"REACH_BRIDGE_SHARE_GROUP={REACH_BRIDGE_SHARE_GROUP!r}: a "
                                "shared-subscription group name has no '/', '+' or '#'")
 # auto: shared where the broker allows it, else one active bridge (an advisory lock in

@@ -8,6 +8,7 @@ from django.conf import settings
 from django.test import Client
 from django.utils import timezone
 
+from reachconsole.core.identity import console_id, console_id_forget
 from reachconsole.core.tokens import tokens_parse
 from roster import services
 from tests.mqtt import bridge, broker, mqtt_settings  # noqa: F401 - fixtures for every module
@@ -15,6 +16,32 @@ from tests.mqtt import bridge, broker, mqtt_settings  # noqa: F401 - fixtures fo
 TOKEN = "test-token-aaaaaaaaaaaaaaaa"
 ROTATED_TOKEN = "test-token-bbbbbbbbbbbbbbbb"
 FIN_TOKEN = "test-token-fin-cccccccccccc"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _console_identity(request):
+    """The console's name is read from its database (reachconsole/core/identity.py), once a
+    process: read it from the test database, before any test, so that the cache's and the
+    channel layer's prefixes work in tests that use no database, and are the ones this
+    run's Daphnes and workers (on the same test database) derive."""
+    if settings.REACH_CONSOLE_ID:
+        return
+    if not _uses_database(request.session):
+        # No test of this run may touch the database, so none can read the name from it:
+        # one for the run (the cache and the channel layer need one).
+        settings.REACH_CONSOLE_ID = "reach-tests-no-database"
+        return
+    request.getfixturevalue("django_db_setup")
+    # Collecting the tests may have read it from the database the settings named before the
+    # test database existed (a module importing reachconsole.asgi).
+    console_id_forget()
+    console_id(retry=True)
+
+
+def _uses_database(session) -> bool:
+    return any(item.get_closest_marker("django_db") or "db" in getattr(item, "fixturenames", ())
+               or "transactional_db" in getattr(item, "fixturenames", ())
+               for item in session.items)
 
 
 @pytest.fixture(autouse=True)

@@ -460,7 +460,8 @@ def test_two_consoles_on_one_broker_keep_their_own_sessions(mqtt_settings, caplo
     "disconnected (Unspecified error)"."""
     import logging
 
-    from messages.bridge import client_id_for, legacy_client_id
+    from messages.bridge import client_id_for, legacy_client_ids
+    from reachconsole.core.identity import address_identity
 
     bridges = [Bridge(url=settings.MQTT_URL, node_id="console", console_id=console,
                       prefix=f"{settings.MQTT_TOPIC_PREFIX}{n}", instance="1",
@@ -488,7 +489,10 @@ def test_two_consoles_on_one_broker_keep_their_own_sessions(mqtt_settings, caplo
         finally:
             for bridge in bridges:
                 bridge.stop()
-    assert legacy_client_id("console", "1") == "reach-console-1"
+    # Before the identity was in the id, and while it was a hash of the address's spelling.
+    assert legacy_client_ids("console", "1") == [
+        "reach-console-1",
+        client_id_for("console", "1", address_identity(settings.DATABASES["default"]))]
     assert "took over" not in caplog.text
 
 

@@ -24,6 +24,7 @@ from messages import protocol
 from messages.bridge import client_id_for
 from messages.models import Direction, Message, Status, Transition
 from messages.outbound import SendRequest, messages_send
+from reachconsole.core.identity import console_id
 from reachconsole.core.metrics import (
     LATENCY_BUCKETS_S,
     counters_add,
@@ -237,17 +238,22 @@ def test_a_count_is_made_once_and_every_process_shows_it(mqtt_settings, broker, 
         pytest.skip("processes share counters through Redis; embedded defaults are one process")
     instance = f"mp-{uuid.uuid4().hex[:6]}"
     port = free_port()
+    # No REACH_CONSOLE_ID: the processes are one console because they share its database,
+    # though the Daphne spells the address another way (localhost, not 127.0.0.1).
     env = {**os.environ, "DATABASE_URL": database_url(), "REDIS_URL": settings.REDIS_URL,
-           "REACH_CONSOLE_ID": settings.REACH_CONSOLE_ID, "MQTT_URL": settings.MQTT_URL,
-           "MQTT_PROTOCOL": settings.MQTT_PROTOCOL,
+           "MQTT_URL": settings.MQTT_URL, "MQTT_PROTOCOL": settings.MQTT_PROTOCOL,
            "MQTT_TOPIC_PREFIX": settings.MQTT_TOPIC_PREFIX, "REACH_NODE_ID": "console",
            "REACH_BRIDGE_INSTANCE": instance, "REACH_RUN_DIR": str(tmp_path),
            "PYTHONUNBUFFERED": "1"}
-    client_id = client_id_for("console", instance, settings.REACH_CONSOLE_ID)
+    env.pop("REACH_CONSOLE_ID", None)
+    client_id = client_id_for("console", instance, console_id())
     log = open(tmp_path / "processes.log", "w+")  # noqa: SIM115 - closed below
     bridge_proc = _start([sys.executable, "manage.py", "mqtt_bridge"], env, log)
+    elsewhere = {**env, "DATABASE_URL": env["DATABASE_URL"].replace("@127.0.0.1:", "@localhost:")}
+    if env["DATABASE_URL"].startswith("postgres"):
+        assert "@localhost:" in elsewhere["DATABASE_URL"], env["DATABASE_URL"]
     daphne = _start([str(Path(sys.executable).parent / "daphne"), "-b", "127.0.0.1", "-p",
-                     str(port), "reachconsole.asgi:application"], env, log)
+                     str(port), "reachconsole.asgi:application"], elsewhere, log)
     publisher = broker.client()
     try:
         eventually(lambda: ClusterNode.objects.filter(node_id="console",
