@@ -123,7 +123,12 @@ def readyz(request: HttpRequest) -> JsonResponse:
     checks = {}
     for name, check in (("database", _check_database), ("redis", _check_redis),
                         ("broker", broker_check)):
-        ok, detail = check()
+        if name == "broker" and not checks["database"]["ok"]:
+            # The bridges' hearing is read from the database: asking it again would wait
+            # for a connection a second time (a stalled database: the pool's timeout again).
+            ok, detail = False, "cannot tell (the database does not answer)"
+        else:
+            ok, detail = check()
         checks[name] = {"ok": ok, "detail": detail}
     checks["delivery"], lowest = delivery_check()
     ready = all(item["ok"] for item in checks.values())

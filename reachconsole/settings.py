@@ -150,7 +150,15 @@ elif _db["ENGINE"] == "django.db.backends.postgresql":
             "timeout": env_float("REACH_DB_POOL_TIMEOUT_S", 10.0, minimum=0.1),
             "name": "reachconsole",
         }
+    # A new connection through a path that has stalled would otherwise wait for ever: the
+    # pool's own workers open them, and a stuck one opens nothing until the path moves.
+    _pg_options.setdefault("connect_timeout",
+                           env_int("REACH_DB_CONNECT_TIMEOUT_S", 5, minimum=1))
 DATABASES = {"default": _db}
+# How long one query of a web request may run on PostgreSQL before its connection is cut off
+# and the request answered 503 (reachconsole/core/query_bound.py: a stalled connection would
+# hold the request, its thread and its connection for as long as the stall lasts); 0: no bound.
+REACH_DB_QUERY_BOUND_S = env_float("REACH_DB_QUERY_BOUND_S", 5.0, minimum=0.0)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Redis: channel layer, cache, Celery --------------------------------------------------

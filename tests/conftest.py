@@ -9,6 +9,7 @@ from django.test import Client
 from django.utils import timezone
 
 from reachconsole.core.identity import console_id, console_id_forget
+from reachconsole.core.query_bound import query_bound_uninstall
 from reachconsole.core.tokens import tokens_parse
 from roster import services
 from tests.mqtt import bridge, broker, mqtt_settings  # noqa: F401 - fixtures for every module
@@ -16,6 +17,14 @@ from tests.mqtt import bridge, broker, mqtt_settings  # noqa: F401 - fixtures fo
 TOKEN = "test-token-aaaaaaaaaaaaaaaa"
 ROTATED_TOKEN = "test-token-bbbbbbbbbbbbbbbb"
 FIN_TOKEN = "test-token-fin-cccccccccccc"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_query_bound():
+    """A module importing reachconsole.asgi bounds this process's queries as a web
+    process's are (reachconsole/core/query_bound.py); the suite is not one, and its own big
+    writes must not be cut off. tests/test_query_bound.py tries the bound itself."""
+    query_bound_uninstall()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -80,6 +80,9 @@ class FakeNode:
         self.canceled: list[str | None] = []  # the cancelFor of every CANCEL it was sent
         self.connects: list[tuple[float, bool]] = []  # (time, session present)
         self.disconnects = 0
+        # task id → when its first TASK_RESPONSE was published (wall clock): the start of the
+        # fault runs' publish → row latency.
+        self.responded_at: dict[str, float] = {}
         self.subscribed = threading.Event()
         self.connected = threading.Event()
         self.callback_errors = 0
@@ -262,6 +265,8 @@ class FakeNode:
             scene_group_id=request.scene_group_id, session_id=request.session_id,
             headers={"originNodeId": self.node_id, **headers}, payload=payload,
         )
+        if kind == MT.TASK_RESPONSE and request.task_id:
+            self.responded_at.setdefault(request.task_id, time.time())
         self._publish(to_node, env)
 
     def handle(self, raw: bytes) -> None:

@@ -9,9 +9,11 @@ process logs to a file in the stack's temporary directory; `tail()` shows the en
 Faults: `kill(name, sig)`, `start(name)` and `restart_service(name, down_s)` for `postgres`
 (pg_ctl stop -m fast / start), `redis`, `mosquitto` (SIGTERM: it saves its persistence) and
 `worker` (kill -9 of its whole process group, as a container kill does, then a fresh start).
-`stall_service("mosquitto", stall_s)` stops the console's broker connections from moving
-without closing them: the console reaches Mosquitto through a stall proxy
-(tests/stallproxy.py), while tests and simulated nodes connect to it directly.
+`stall_service("mosquitto" | "postgres", stall_s)` stops the console's connections to the
+broker or the database from moving without closing them: the console's processes reach
+Mosquitto and PostgreSQL through stall proxies (tests/stallproxy.py), while tests and
+simulated nodes connect to them directly. `hold_snapshot(seconds)` keeps a REPEATABLE READ
+transaction open on the console's database, as a long report would.
 
 `new_run()` gives the next test a clean console on the same services: the app processes are
 stopped, the database is recreated from the migrated template, Redis is flushed, and the
@@ -186,8 +188,10 @@ class Stack:
         self.run_dir = self.tmp / "run-0"
         self.runs = 0
         self.procs: dict[str, subprocess.Popen] = {}
-        # The console's own way to the broker, which a stall fault holds (see the docstring).
+        # The console's own ways to the broker and to PostgreSQL, which a stall fault holds
+        # (see the docstring).
         self.mqtt_proxy = StallProxy(target_host=HOST, target_port=self.mqtt_port)
+        self.pg_proxy = StallProxy(target_host=HOST, target_port=self.pg_port)
         self._log_files: dict[str, object] = {}
         self._lock = threading.RLock()
         self._stopped = False
@@ -211,11 +215,15 @@ class Stack:
     def database_url(self, name: str = DB_NAME) -> str:
         return f"postgres://postgres@{HOST}:{self.pg_port}/{name}"
 
+    def console_database_url(self, name: str = DB_NAME) -> str:
+        """The console's processes reach PostgreSQL through the stall proxy."""
+        return f"postgres://postgres@{HOST}:{self.pg_proxy.port}/{name}"
+
     def env(self, database: str = DB_NAME) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not _STRIPPED_ENV.match(k)}
         env.update(
             DJANGO_SETTINGS_MODULE="reachconsole.settings",
-            DATABASE_URL=self.database_url(database),
+            DATABASE_URL=self.console_database_url(database),
             REDIS_URL=self.redis_url,
             MQTT_URL=f"mqtt://{HOST}:{self.mqtt_proxy.port}",
             MQTT_TOPIC_PREFIX=self.prefix or "fr-migrate",
@@ -470,6 +478,7 @@ class Stack:
         self._redis_start()
         self._mosquitto_start()
         self.mqtt_proxy.start()
+        self.pg_proxy.start()
 
     def migrate_template(self) -> None:
         with self.connect_db("postgres") as conn:
@@ -596,12 +605,31 @@ class Stack:
     def stall_service(self, name: str, stall_s: float) -> dict[str, float]:
         """Hold every connection of the console to `name` for `stall_s` seconds, open but
         carrying nothing, then let it flow again. The same times as restart_service."""
-        if name != "mosquitto":
+        proxy = {"mosquitto": self.mqtt_proxy, "postgres": self.pg_proxy}.get(name)
+        if proxy is None:
             raise StackError(f"stall_service does not know {name!r}")
         down_at = time.time()
-        with self.mqtt_proxy.stalled():
+        with proxy.stalled():
             time.sleep(stall_s)
             start_at = time.time()
+        return {"down_at": down_at, "stopped_at": down_at, "start_at": start_at,
+                "up_at": time.time()}
+
+    def hold_snapshot(self, hold_s: float) -> dict[str, float]:
+        """Keep a REPEATABLE READ transaction open on the console's database for `hold_s`
+        seconds, its snapshot taken by a read of the message table: what a long export or a
+        report left open does. Vacuum can reclaim no row version that snapshot might see
+        until it ends. The same times as restart_service."""
+        import psycopg
+
+        down_at = time.time()
+        with psycopg.connect(host=HOST, port=self.pg_port, user="postgres", dbname=DB_NAME,
+                             connect_timeout=3) as conn:
+            conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            conn.execute("SELECT count(*) FROM a2a_message").fetchone()
+            time.sleep(hold_s)
+            start_at = time.time()
+            conn.rollback()
         return {"down_at": down_at, "stopped_at": down_at, "start_at": start_at,
                 "up_at": time.time()}
 
@@ -647,6 +675,7 @@ class Stack:
             except Exception as exc:  # go on: the rest must stop too
                 print(f"stack: stopping {name} failed: {exc}", file=sys.stderr)
         self.mqtt_proxy.stop()
+        self.pg_proxy.stop()
         try:
             if self._pg_postmaster_pid():
                 self._pg_stop("fast")

@@ -68,19 +68,40 @@ FINAL = FAILED | {COMPLETED}
 HEARTBEAT_MS = int(os.environ.get("REACH_FAULT_HEARTBEAT_MS", "1000"))
 LEASE_TTL_MS = int(os.environ.get("REACH_FAULT_LEASE_TTL_MS", "3000"))
 BROKER_STALL_S = float(os.environ.get("REACH_FAULT_BROKER_STALL_S", "10"))
+DB_STALL_S = float(os.environ.get("REACH_FAULT_DB_STALL_S", "5"))
+SNAPSHOT_S = float(os.environ.get("REACH_FAULT_SNAPSHOT_S", "90"))
+STALL_SECONDS = {"mosquitto": BROKER_STALL_S, "postgres": DB_STALL_S}
+# A web request's query is cut off after this (REACH_DB_QUERY_BOUND_S, 5 s by default):
+# shorter than the database stall, so the stall run goes through it.
+QUERY_BOUND_S = 2
+# How long an API read may take while a fault lasts: a query caught in a database stall is
+# cut off at QUERY_BOUND_S and answered 503; a request that finds no connection free waits
+# for one at most the pool's timeout (10 s), then is answered 503. Both with Retry-After.
+READ_BOUND_S = 10 + 2
 # The console's keepalive in the runs: shorter than the stall, so that the stall run also
 # goes through the bridge calling its open connection dead and reconnecting.
 KEEPALIVE_S = 5
 
 # fault id → (the service the fault hits, namespace of this fault's agents, how: "restart"
-# takes it down and back, "stall" holds the console's connections to it open and still)
+# takes it down and back, "stall" holds the console's connections to it open and still,
+# "snapshot" holds a REPEATABLE READ transaction open on its database)
 FAULTS = {
     "worker-kill": ("worker", "fworker", "restart"),
     "redis-restart": ("redis", "fredis", "restart"),
     "postgres-restart": ("postgres", "fpostgres", "restart"),
     "broker-restart": ("mosquitto", "fbroker", "restart"),
     "broker-stall": ("mosquitto", "fstall", "stall"),
+    "postgres-stall": ("postgres", "fpgstall", "stall"),
+    "snapshot-held": ("postgres", "fsnap", "snapshot"),
 }
+
+
+def tasks_for(how: str) -> int:
+    """TASKS, with the fault after the first half; a held snapshot goes on for SNAPSHOT_S,
+    and tasks go on being sent all through it (and as long again as the halves)."""
+    if how == "snapshot":
+        return TASKS + int(RATE * SNAPSHOT_S)
+    return TASKS
 RESULTS: list[dict] = []
 
 
@@ -190,6 +211,96 @@ class Sender(threading.Thread):
                 event.set()
 
 
+class Reader(threading.Thread):
+    """Reads the API as an operator's page would (`GET /api/roster/agents`, 4 a second)
+    all through a run: how each read was answered and how long it took."""
+
+    def __init__(self, stack: Stack):
+        super().__init__(name="fault-run-reader", daemon=True)
+        self.stack = stack
+        self.reads: list[tuple[float, float, int | None, str]] = []  # at, seconds, status, note
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        request = urllib.request.Request(
+            f"{self.stack.base_url}/api/roster/agents?limit=5",
+            headers={"Authorization": f"Bearer {self.stack.token}",
+                     "X-OODER-Source": "studio"})
+        while not self.done.is_set():
+            at = time.time()
+            try:
+                with urllib.request.urlopen(request, timeout=READ_BOUND_S + 10) as response:
+                    response.read()
+                    status, note = response.status, ""
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+                note = "" if exc.headers.get("Retry-After") else "no Retry-After"
+                exc.read()
+            except OSError as exc:
+                status, note = None, f"no answer: {exc}"
+            self.reads.append((at, time.time() - at, status, note))
+            self.done.wait(0.25)
+
+    def summary(self, down_at: float, up_at: float) -> dict:
+        during = [r for r in self.reads if down_at - 1 <= r[0] <= up_at + 1]
+        return {
+            "reads": len(self.reads),
+            "statuses": dict(Counter(r[2] for r in self.reads)),
+            "bad": [r for r in self.reads if r[2] is None or (r[2] >= 500 and r[2] != 503)
+                    or (r[2] == 503 and r[3])],
+            "slowest": max((r[1] for r in self.reads), default=0.0),
+            "slowest during": max((r[1] for r in during), default=0.0),
+        }
+
+
+def p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+RESPONSE_ROWS_SQL = """
+SELECT task_id, extract(epoch FROM min(created_at))
+FROM a2a_message
+WHERE task_id = ANY(%s) AND direction = 'RECV' AND message_type = 'TASK_RESPONSE'
+GROUP BY task_id
+"""
+
+
+def pace(stack: Stack, tasks: list[Sent], rows: dict[str, dict], node: FakeNode,
+         fault: dict) -> dict:
+    """p99 of send → COMPLETED and of the node's publish of its answer → the answer's row,
+    for tasks sent before the fault and while it lasted."""
+    with stack.connect_db() as conn:
+        stored = dict(conn.execute(RESPONSE_ROWS_SQL, ([t.task_id for t in tasks],)))
+    phases = {"before": lambda t: t.started_at < fault["down_at"],
+              "during": lambda t: fault["down_at"] <= t.started_at < fault["start_at"]}
+    figures = {}
+    for phase, chosen in phases.items():
+        picked = [t for t in tasks if chosen(t)]
+        figures[f"send→completed {phase}"] = p99([
+            rows[t.task_id]["done_at"] - t.started_at for t in picked
+            if t.task_id in rows and rows[t.task_id]["status"] == COMPLETED
+            and rows[t.task_id]["done_at"]])
+        figures[f"publish→row {phase}"] = p99([
+            float(stored[t.task_id]) - node.responded_at[t.task_id] for t in picked
+            if t.task_id in stored and t.task_id in node.responded_at])
+    return figures
+
+
+def dead_tuples_vacuumed(stack: Stack) -> tuple[int, int]:
+    """a2a_message's dead row versions, and what a VACUUM left of them: once no snapshot
+    holds them, none should be left."""
+    with stack.connect_db() as conn:
+        def dead() -> int:
+            return conn.execute("SELECT n_dead_tup FROM pg_stat_user_tables "
+                                "WHERE relname = 'a2a_message'").fetchone()[0]
+        before = dead()
+        conn.execute("VACUUM a2a_message")
+        return before, dead()
+
+
 # --- reading the outcome -------------------------------------------------------------------------
 LATEST_SQL = """
 SELECT DISTINCT ON (task_id) task_id, status, error,
@@ -244,7 +355,7 @@ def wait_final(stack: Stack, task_ids: list[str]) -> dict[str, dict]:
 
 # --- the table ---------------------------------------------------------------------------------
 COLUMNS = ("fault", "sent", "completed", "failed", "stuck", "twice", "deadlocks", "recovery s",
-           "backlog s", "503/5xx/noans", "run s")
+           "backlog s", "503/5xx/noans", "read max s", "run s")
 
 
 def _fmt(value) -> str:
@@ -422,7 +533,8 @@ def test_the_harness_counts_what_it_should(stack: Stack):
 def stack_fixture():
     running = stack_or_skip(extra_env={"REACH_HEARTBEAT_MS": str(HEARTBEAT_MS),
                                        "REACH_LEASE_TTL_MS": str(LEASE_TTL_MS),
-                                       "MQTT_KEEPALIVE_S": str(KEEPALIVE_S)})
+                                       "MQTT_KEEPALIVE_S": str(KEEPALIVE_S),
+                                       "REACH_DB_QUERY_BOUND_S": str(QUERY_BOUND_S)})
     try:
         yield running
     finally:
@@ -440,8 +552,9 @@ def test_fault_run(stack: Stack, fault: str):
                     mqtt_port=stack.mqtt_port, prefix=prefix, node_id=NODE_ID, agents=agents,
                     heartbeat_s=HEARTBEAT_MS / 1000)
     tasks = [Sent(index=i, task_id=f"{fault}-{prefix}-{i:04d}", to=agents[i % len(agents)])
-             for i in range(TASKS)]
+             for i in range(tasks_for(how))]
     sender = Sender(stack, tasks, fault)
+    reader = Reader(stack)
     result: dict = {}
     try:
         node.start()
@@ -450,19 +563,25 @@ def test_fault_run(stack: Stack, fault: str):
             print(f"\n[{fault}] {warm_note}")
 
         fault_point = sender.when_sent(TASKS // 2)
+        reader.start()
         sender.start()
         assert fault_point.wait(TASKS / RATE + 120), "the sender did not reach the fault point"
         if how == "stall":
-            fault_times = stack.stall_service(service, stall_s=BROKER_STALL_S)
+            fault_times = stack.stall_service(service, stall_s=STALL_SECONDS[service])
+        elif how == "snapshot":
+            fault_times = stack.hold_snapshot(SNAPSHOT_S)
         else:
             fault_times = stack.restart_service(service, down_s=DOWN_S)
-        sender.join(timeout=TASKS * 2)
+        sender.join(timeout=len(tasks) * 2)
         assert not sender.is_alive(), "the sender did not finish"
         if sender.error:
             raise sender.error
         sent_done = time.time()
 
         rows = wait_final(stack, [t.task_id for t in tasks])
+        reader.done.set()
+        reader.join(READ_BOUND_S + 15)
+        reads = reader.summary(fault_times["down_at"], fault_times["up_at"])
         outcome = classify(tasks, rows, node)
         pg = stack.count_in_logs("deadlock detected", offsets)
         pg_deadlocks = pg.pop("postgres", 0)
@@ -477,6 +596,7 @@ def test_fault_run(stack: Stack, fault: str):
             "backlog s": backlog,
             "503/5xx/noans": (f"{sum(t.retries_503 for t in tasks)}/{http['error5xx']}/"
                               f"{sum(t.transport_errors for t in tasks)}"),
+            "read max s": reads["slowest"],
             "run s": time.monotonic() - started,
         }
         RESULTS.append(result)
@@ -514,6 +634,19 @@ def test_fault_run(stack: Stack, fault: str):
                       f"{sent.outcome} {sent.detail[:160]!r} row={row.get('status')} "
                       f"attempts={row.get('rows')} error={(row.get('error') or '')[:200]!r} "
                       f"executions={node.executions_by_task.get(sent.task_id, 0)}")
+        print(f"[{fault}] API reads: {reads['reads']}, answered {reads['statuses']}; slowest "
+              f"{reads['slowest']:.1f} s, {reads['slowest during']:.1f} s while the fault lasted")
+        for at, took, status, note in reads["bad"][:3]:
+            print(f"[{fault}]   e.g. a read {at - fault_times['down_at']:+.1f} s from the fault: "
+                  f"{status} {note} after {took:.1f} s")
+        figures, dead = {}, (0, 0)
+        if how == "snapshot":
+            figures = pace(stack, tasks, rows, node, fault_times)
+            dead = dead_tuples_vacuumed(stack)
+            print(f"[{fault}] p99 s: " + ", ".join(
+                f"{k} {_fmt(v and round(v, 3))}" for k, v in figures.items()))
+            print(f"[{fault}] a2a_message dead row versions after the hold: {dead[0]}; left by "
+                  f"a VACUUM: {dead[1]}")
         print("\n" + table(RESULTS))
 
         summary = (f"{fault}: completed {result['completed']}/{len(tasks)}, failed "
@@ -522,6 +655,17 @@ def test_fault_run(stack: Stack, fault: str):
                    f"backlog {_fmt(backlog)} s")
         assert (result["completed"], result["failed"], result["stuck"], result["twice"],
                 result["deadlocks"]) == (len(tasks), 0, 0, 0, 0), summary + "\n" + table(RESULTS)
+        # Never a 500, a 503 always says when to come back, and no read hangs past its bound.
+        assert not reads["bad"], f"{fault}: API reads answered badly: {reads['bad'][:5]}"
+        assert reads["slowest"] <= READ_BOUND_S, f"{fault}: an API read took {reads['slowest']}"
+        if how == "snapshot":
+            # The pace within 2x of before (a floor of 100 ms: these are tens of milliseconds,
+            # and one scheduling hiccup on a two-core box is as long).
+            for name in ("send→completed", "publish→row"):
+                before, during = figures[f"{name} before"], figures[f"{name} during"]
+                assert before is not None and during is not None, figures
+                assert during <= max(2 * before, before + 0.1), f"{fault}: {name} {figures}"
+            assert dead[1] <= 10 + dead[0] // 100, f"{fault}: vacuum left {dead} dead rows"
     except BaseException:
         print(f"\n[{fault}] logs of this run (stack dir {stack.tmp}):")
         print(stack.tails(30, offsets))

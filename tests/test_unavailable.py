@@ -161,3 +161,16 @@ def test_an_sql_mistake_is_not_called_an_outage():
     with pytest.raises(DatabaseError) as caught, connection.cursor() as cursor:
         cursor.execute("SELECT * FROM no_such_table_here")
     assert unavailable_reason(caught.value) is None
+
+
+def test_readyz_asks_the_database_once_while_it_is_unreachable(client, tmp_path):
+    """The broker check reads the bridges' hearing from the database: with the database
+    gone it says it cannot tell rather than wait for a connection a second time (through a
+    stalled path each wait is the pool's whole timeout)."""
+    with database_unreachable(tmp_path):
+        answer = client.get("/readyz")
+    body = answer.json()
+    assert answer.status_code == 503
+    assert body["checks"]["database"]["ok"] is False
+    assert body["checks"]["broker"] == {"ok": False,
+                                        "detail": "cannot tell (the database does not answer)"}

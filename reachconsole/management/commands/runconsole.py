@@ -280,7 +280,11 @@ class Command(BaseCommand):
         from daphne.server import Server
 
         from reachconsole.asgi import application
+        from reachconsole.core.query_bound import query_bound_uninstall
 
+        # The in-process worker shares this process: its bridge waits a stalled database out
+        # (acknowledging nothing it has not stored) rather than have its writes cut off.
+        query_bound_uninstall()
         server = Server(
             application=application,
             endpoints=build_endpoint_description_strings(host=host, port=port),

@@ -1,0 +1,115 @@
+"""A web request's query that the database does not answer is cut off at its bound and the
+request answered 503 with Retry-After (reachconsole/core/query_bound.py), never left hanging.
+
+The database here is really stuck for the request: another connection holds an exclusive
+lock on the table the request reads, so PostgreSQL does not answer until it is released. (A
+stalled network path, where not even an error could arrive, is the fault runs' case:
+tests/test_fault_runs.py postgres-stall, through tests/stallproxy.py.)
+"""
+
+from __future__ import annotations
+
+import threading
+
+import psycopg
+import pytest
+from django.db import OperationalError, connection
+
+from reachconsole.core.query_bound import QueryBound
+from reachconsole.unavailable import DATABASE, RETRY_AFTER_S, unavailable_reason
+from tests.conftest import register
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def locker():
+    """A second connection that can lock a table until the test lets go."""
+    if connection.vendor != "postgresql":
+        pytest.skip("the bound is for PostgreSQL's network path: this runs in CI's second run")
+    with psycopg.connect(**connection.get_connection_params()) as conn:
+        yield conn
+        conn.rollback()
+
+
+@pytest.fixture
+def bounded():
+    bound = QueryBound(0.5)
+    try:
+        with connection.execute_wrapper(bound):
+            yield bound
+    finally:
+        # The cut-off connection is broken: give it back (the pool discards it).
+        connection.close()
+
+
+def test_a_query_past_its_bound_is_cut_off_with_a_connection_error(locker, bounded):
+    register("fin.tax", "node-b")
+    # Held until the test ends: the query returns only because it is cut off.
+    locker.execute("LOCK TABLE roster_agent IN ACCESS EXCLUSIVE MODE")
+    with pytest.raises(OperationalError) as raised, connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM roster_agent")
+    assert unavailable_reason(raised.value) == DATABASE  # what answers 503, not 500
+    assert bounded.cut == 1
+
+
+def test_a_request_stuck_on_the_database_answers_503_and_others_are_untouched(
+        locker, bounded, api):
+    register("fin.tax", "node-b")
+    assert api.get("/api/roster/agents").status_code == 200  # within the bound: untouched
+    assert bounded.cut == 0
+    locker.execute("LOCK TABLE roster_agent IN ACCESS EXCLUSIVE MODE")
+    # Let go long after the bound: the request must not have waited for it.
+    released = threading.Event()
+
+    def release() -> None:
+        released.set()
+        locker.rollback()
+
+    timer = threading.Timer(8, release)
+    timer.start()
+    try:
+        response = api.get("/api/roster/agents")
+        waited_for_the_lock = released.is_set()
+    finally:
+        timer.cancel()
+    assert response.status_code == 503, response.content[:500]
+    assert response["Retry-After"] == str(RETRY_AFTER_S)
+    assert "cannot reach its database" in response.json()["detail"]
+    assert not waited_for_the_lock
+    assert bounded.cut == 1
+
+
+def test_the_pools_check_of_a_stalled_connection_is_cut_off_too(locker):
+    """Before handing a connection out the pool checks it, on the socket, outside any query:
+    through a path that has stalled (tests/stallproxy.py holds it open and still) that check
+    would wait for as long as the stall lasts. Bounded, it is cut off, the pool drops that
+    connection, and the caller gets the pool's own timeout (a 503), while the path is
+    still stalled."""
+    from psycopg_pool import ConnectionPool, PoolTimeout
+
+    from tests.stallproxy import StallProxy
+
+    params = connection.get_connection_params()
+    proxy = StallProxy(target_host=params.get("host") or "127.0.0.1",
+                       target_port=int(params.get("port") or 5432)).start()
+    pool = ConnectionPool(kwargs={**params, "host": proxy.host, "port": proxy.port,
+                                  "autocommit": True},
+                          min_size=1, max_size=1, timeout=2, open=False,
+                          check=ConnectionPool.check_connection)
+    bound = QueryBound(0.5)
+    bound.pool_check_bound(pool)
+    bound.pool_check_bound(pool)  # once is enough: not wrapped twice
+    try:
+        pool.open(wait=True)
+        with pool.connection() as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+        with proxy.stalled():
+            with pytest.raises(PoolTimeout):
+                pool.getconn()
+            still_stalled = proxy.is_stalled
+        assert still_stalled  # answered while the path was held, not after
+        assert bound.cut >= 1
+    finally:
+        pool.close()
+        proxy.stop()
