@@ -127,7 +127,14 @@ def test_it_runs_the_whole_console_in_one_process(console):
             "REACH_ADMIN_PASSWORD.") in output
 
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(20) == 0
+    try:
+        code = proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # runconsole prints every thread's stack
+        time.sleep(1)
+        raise AssertionError("runconsole did not stop within 20 s of Ctrl-C; its threads:\n"
+                             + log_path.read_text()[-12000:]) from None
+    assert code == 0, log_path.read_text()[-3000:]
 
 
 def test_it_names_mqtt_url_when_the_broker_port_is_taken(tmp_path):

@@ -304,7 +304,8 @@ def dead_tuples_vacuumed(stack: Stack) -> tuple[int, int]:
 # --- reading the outcome -------------------------------------------------------------------------
 LATEST_SQL = """
 SELECT DISTINCT ON (task_id) task_id, status, error,
-       extract(epoch FROM COALESCE(finished_at, updated_at)) AS done_at, attempt
+       extract(epoch FROM COALESCE(finished_at, updated_at)) AS done_at, attempt,
+       published_at IS NOT NULL
 FROM a2a_message
 WHERE task_id = ANY(%s) AND direction = 'SEND' AND message_type = 'TASK_REQUEST'
 ORDER BY task_id, id DESC
@@ -322,7 +323,7 @@ def latest_rows(stack: Stack, task_ids: list[str]) -> dict[str, dict] | None:
         with stack.connect_db() as conn:
             latest = {r[0]: {"status": r[1], "error": r[2],
                              "done_at": float(r[3]) if r[3] is not None else None,
-                             "attempt": r[4]}
+                             "attempt": r[4], "published": r[5]}
                       for r in conn.execute(LATEST_SQL, (task_ids,))}
             for task_id, rows, any_completed in conn.execute(ROWS_SQL, (task_ids,)):
                 latest[task_id].update(rows=rows, any_completed=any_completed)
@@ -354,8 +355,8 @@ def wait_final(stack: Stack, task_ids: list[str]) -> dict[str, dict]:
 
 
 # --- the table ---------------------------------------------------------------------------------
-COLUMNS = ("fault", "sent", "completed", "failed", "stuck", "twice", "deadlocks", "recovery s",
-           "backlog s", "503/5xx/noans", "read max s", "run s")
+COLUMNS = ("fault", "sent", "completed", "failed", "stuck", "twice", "lost b/c", "unknown",
+           "deadlocks", "recovery s", "backlog s", "503/5xx/noans", "read max s", "run s")
 
 
 def _fmt(value) -> str:
@@ -393,6 +394,78 @@ def classify(tasks: list[Sent], rows: dict[str, dict], node: FakeNode) -> dict:
     twice = node.executed_twice()
     return {"completed": completed, "failed": failed, "stuck": stuck,
             "twice": [t for t in tasks if t.task_id in twice]}
+
+
+# Every task sent, accounted for as Jepsen scores a queue (docs/faults.md, "Every task
+# accounted for"):
+OUTCOME_CLASSES = ("ok", "failed", "lost by the broker", "lost by the console", "unknown")
+
+
+def outcome_class(sent: Sent, row: dict | None, *, observed: frozenset[str],
+                  executed: set[str], answered: set[str]) -> tuple[str, str]:
+    """(class, why) of one task. `observed`: the agents whose node this run watches (the
+    fake node's); `executed`/`answered`: the task ids that node ran / answered.
+
+    - ok: its latest attempt COMPLETED;
+    - failed: final without completing, or refused by the API; with its reason;
+    - lost by the broker: the broker acknowledged it to the console (PUBACK) and the
+      subscriber, a node that is there and subscribed, never got it;
+    - lost by the console: the console took it and never had the broker take it, or the
+      node answered and the console did not act on the answer;
+    - unknown: anything else (no final outcome and nothing that says who lost it)."""
+    if row is not None and row["status"] == COMPLETED:
+        return "ok", ""
+    if row is not None and row["status"] in FAILED:
+        return "failed", f"{row['status']}: {row.get('error') or ''}"
+    if row is None and sent.outcome in ("refused", "error5xx", "not_taken"):
+        return "failed", f"not taken: {sent.detail}"
+    if sent.task_id in answered:
+        return "lost by the console", "the node answered; the task did not complete"
+    if sent.to in observed and sent.task_id not in executed:
+        if row is not None and row.get("published"):
+            return "lost by the broker", "acknowledged to the console, never delivered"
+        if sent.outcome == "taken":
+            return "lost by the console", "taken by the API, never taken by the broker"
+    return "unknown", f"latest attempt {row and row['status']}"
+
+
+def outcome_classes(tasks: list[Sent], rows: dict[str, dict], node: FakeNode
+                    ) -> dict[str, list[tuple[Sent, str]]]:
+    observed = frozenset(node.agents)
+    executed = set(node.executions_by_task)
+    answered = set(node.responded_at)
+    classes: dict[str, list[tuple[Sent, str]]] = {name: [] for name in OUTCOME_CLASSES}
+    for sent in tasks:
+        kind, why = outcome_class(sent, rows.get(sent.task_id), observed=observed,
+                                  executed=executed, answered=answered)
+        classes[kind].append((sent, why))
+    return classes
+
+
+def plot_write(fault: str, tasks: list[Sent], rows: dict[str, dict],
+               classes: dict[str, list[tuple[Sent, str]]], fault_times: dict) -> None:
+    """With REACH_FAULT_PLOTS=DIR, the run's picture as DIR/{fault}.svg (docs/faults/)."""
+    folder = os.environ.get("REACH_FAULT_PLOTS")
+    if not folder:
+        return
+    from pathlib import Path
+
+    from tests.fault_plot import outcomes_svg
+
+    zero = fault_times["down_at"]
+    kind_of = {sent.task_id: kind for kind, items in classes.items() for sent, _ in items}
+    points = []
+    for sent in tasks:
+        row = rows.get(sent.task_id) or {}
+        final = row.get("status") in FINAL and row.get("done_at")
+        points.append((sent.started_at - zero,
+                       row["done_at"] - sent.started_at if final else None,
+                       kind_of[sent.task_id]))
+    path = Path(folder) / f"{fault}.svg"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(outcomes_svg(
+        title=f"{fault}: {len(tasks)} tasks at {RATE:g}/s, outcome against time",
+        points=points, fault=(0.0, fault_times["start_at"] - zero)))
 
 
 def recovery_times(tasks: list[Sent], rows: dict[str, dict], fault: dict) -> tuple:
@@ -510,6 +583,25 @@ def test_the_harness_counts_what_it_should(stack: Stack):
         assert [t.index for t in outcome["failed"]] == [1], (rows, tasks[1])
         assert [t.index for t in outcome["stuck"]] == [2], rows
         assert outcome["twice"] == []
+        classes = outcome_classes(tasks, rows, node)
+        assert {k: [s.index for s, _ in v] for k, v in classes.items()} == {
+            "ok": [0], "failed": [1], "lost by the broker": [], "lost by the console": [],
+            "unknown": [2]}, classes  # the ghost's node is not one this run watches
+
+        # Who lost it, from what the console's row and the node say.
+        def kind(row, *, executed=(), answered=(), outcome="taken") -> str:
+            sent = Sent(9, "t9", "fself.alpha", outcome=outcome)
+            return outcome_class(sent, row, observed=frozenset({"fself.alpha"}),
+                                 executed=set(executed), answered=set(answered))[0]
+
+        published = {"status": "PUBLISHED", "published": True}
+        assert kind(published) == "lost by the broker"
+        assert kind({"status": "SENT", "published": False}) == "lost by the console"
+        assert kind(None) == "lost by the console"  # taken (202), no row: never stored
+        assert kind(published, executed={"t9"}, answered={"t9"}) == "lost by the console"
+        assert kind(published, executed={"t9"}) == "unknown"  # running, not answered yet
+        assert kind(None, outcome="not_taken") == "failed"
+        assert kind({"status": "EXPIRED", "error": "no answer"}) == "failed"
 
         # recovery: the first task sent after the fault that completed; backlog: until all
         # sent before the service was back were final.
@@ -583,6 +675,8 @@ def test_fault_run(stack: Stack, fault: str):
         reader.join(READ_BOUND_S + 15)
         reads = reader.summary(fault_times["down_at"], fault_times["up_at"])
         outcome = classify(tasks, rows, node)
+        classes = outcome_classes(tasks, rows, node)
+        plot_write(fault, tasks, rows, classes, fault_times)
         pg = stack.count_in_logs("deadlock detected", offsets)
         pg_deadlocks = pg.pop("postgres", 0)
         proc_deadlocks = sum(pg.values())
@@ -592,6 +686,9 @@ def test_fault_run(stack: Stack, fault: str):
             "fault": fault, "sent": len(tasks),
             "completed": len(outcome["completed"]), "failed": len(outcome["failed"]),
             "stuck": len(outcome["stuck"]), "twice": len(outcome["twice"]),
+            "lost b/c": (f"{len(classes['lost by the broker'])}/"
+                         f"{len(classes['lost by the console'])}"),
+            "unknown": len(classes["unknown"]),
             "deadlocks": pg_deadlocks + proc_deadlocks, "recovery s": recovery,
             "backlog s": backlog,
             "503/5xx/noans": (f"{sum(t.retries_503 for t in tasks)}/{http['error5xx']}/"
@@ -626,6 +723,11 @@ def test_fault_run(stack: Stack, fault: str):
         print(f"[{fault}] tracebacks in process logs: "
               f"{ {n: c for n, c in stack.count_in_logs('Traceback', offsets).items() if c} }")
         print(f"[{fault}] fake node: {node.stats()}")
+        print(f"[{fault}] every task accounted for: "
+              + ", ".join(f"{name} {len(items)}" for name, items in classes.items()))
+        for name in OUTCOME_CLASSES[1:]:
+            for sent, why in classes[name][:3]:
+                print(f"[{fault}]   e.g. {name}: {sent.task_id}: {why[:200]}")
         for label in ("failed", "stuck", "twice"):
             examples = outcome[label][:3]
             for sent in examples:
@@ -655,6 +757,7 @@ def test_fault_run(stack: Stack, fault: str):
                    f"backlog {_fmt(backlog)} s")
         assert (result["completed"], result["failed"], result["stuck"], result["twice"],
                 result["deadlocks"]) == (len(tasks), 0, 0, 0, 0), summary + "\n" + table(RESULTS)
+        assert len(classes["ok"]) == len(tasks), {k: len(v) for k, v in classes.items()}
         # Never a 500, a 503 always says when to come back, and no read hangs past its bound.
         assert not reads["bad"], f"{fault}: API reads answered badly: {reads['bad'][:5]}"
         assert reads["slowest"] <= READ_BOUND_S, f"{fault}: an API read took {reads['slowest']}"

@@ -9,9 +9,11 @@ processes.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import secrets
+import signal
 import socket
 from pathlib import Path
 
@@ -166,6 +168,9 @@ class Command(BaseCommand):
                                  "fin.tax=silent (repeatable)")
 
     def handle(self, *args, **options) -> None:
+        # `kill -USR1 <pid>` prints every thread's stack: what a console that will not stop
+        # is waiting on (tests/test_embedded_run.py asks it when a stop takes too long).
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         ports_check(host=options["host"], port=options["port"],
                     mqtt_port=None if settings.MQTT_URL else settings.REACH_EMBEDDED_MQTT_PORT)
         faults = []
