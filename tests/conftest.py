@@ -28,7 +28,7 @@ def _no_query_bound():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _console_identity(request):
+def _console_identity(request, _no_query_bound):
     """The console's name is read from its database (reachconsole/core/identity.py), once a
     process: read it from the test database, before any test, so that the cache's and the
     channel layer's prefixes work in tests that use no database, and are the ones this
@@ -40,6 +40,13 @@ def _console_identity(request):
         # one for the run (the cache and the channel layer need one).
         settings.REACH_CONSOLE_ID = "reach-tests-no-database"
         return
+    # A pool made before the test database exists keeps the configured database's name
+    # (Django's create_test_db renames it in the settings but keeps a pool it finds).
+    from django.db import connections
+
+    default = connections["default"]
+    if "default" in getattr(type(default), "_connection_pools", {}):
+        default.close_pool()
     request.getfixturevalue("django_db_setup")
     # Collecting the tests may have read it from the database the settings named before the
     # test database existed (a module importing reachconsole.asgi).

@@ -34,7 +34,7 @@ def locker():
 
 @pytest.fixture
 def bounded():
-    bound = QueryBound(0.5)
+    bound = QueryBound(2.0)
     try:
         with connection.execute_wrapper(bound):
             yield bound
@@ -66,7 +66,7 @@ def test_a_request_stuck_on_the_database_answers_503_and_others_are_untouched(
         released.set()
         locker.rollback()
 
-    timer = threading.Timer(8, release)
+    timer = threading.Timer(15, release)
     timer.start()
     try:
         response = api.get("/api/roster/agents")
@@ -97,19 +97,78 @@ def test_the_pools_check_of_a_stalled_connection_is_cut_off_too(locker):
                                   "autocommit": True},
                           min_size=1, max_size=1, timeout=2, open=False,
                           check=ConnectionPool.check_connection)
-    bound = QueryBound(0.5)
+    bound = QueryBound(1.0)
     bound.pool_check_bound(pool)
     bound.pool_check_bound(pool)  # once is enough: not wrapped twice
+    resumed = threading.Event()
+
+    def resume() -> None:
+        resumed.set()
+        proxy.resume()
+
     try:
         pool.open(wait=True)
         with pool.connection() as conn:
             assert conn.execute("SELECT 1").fetchone() == (1,)
-        with proxy.stalled():
+        proxy.stall()
+        # The path moves again long after the pool's timeout: a check that waited for it
+        # would hand the connection out then, with no PoolTimeout.
+        timer = threading.Timer(15, resume)
+        timer.start()
+        try:
             with pytest.raises(PoolTimeout):
                 pool.getconn()
-            still_stalled = proxy.is_stalled
-        assert still_stalled  # answered while the path was held, not after
+            answered_while_stalled = not resumed.is_set()
+        finally:
+            timer.cancel()
+            proxy.resume()
+        assert answered_while_stalled
         assert bound.cut >= 1
     finally:
         pool.close()
+        proxy.stop()
+
+
+def test_a_commit_through_a_stalled_path_is_cut_off(locker):
+    """COMMIT goes to psycopg directly, past the execute wrappers: bounded on its own."""
+    from django.db import connections
+
+    from tests.stallproxy import StallProxy
+
+    params = connection.get_connection_params()
+    proxy = StallProxy(target_host=params.get("host") or "127.0.0.1",
+                       target_port=int(params.get("port") or 5432)).start()
+    # A connection of its own to the test database through the proxy, outside the pool (a
+    # pool is one per alias, shared with the test's own connection).
+    own = connections.create_connection("default")
+    own.settings_dict = {**own.settings_dict, "HOST": proxy.host, "PORT": str(proxy.port),
+                         "OPTIONS": {k: v for k, v in own.settings_dict["OPTIONS"].items()
+                                     if k != "pool"}}
+    bound = QueryBound(1.0)
+    bound.commit_bound(own)
+    bound.commit_bound(own)  # once is enough
+    resumed = threading.Event()
+
+    def resume() -> None:
+        resumed.set()
+        proxy.resume()
+
+    try:
+        own.set_autocommit(False)
+        with own.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        proxy.stall()
+        timer = threading.Timer(15, resume)
+        timer.start()
+        try:
+            with pytest.raises(OperationalError):
+                own.commit()
+            answered_while_stalled = not resumed.is_set()
+        finally:
+            timer.cancel()
+            proxy.resume()
+        assert answered_while_stalled
+        assert bound.cut == 1
+    finally:
+        own.close()
         proxy.stop()

@@ -116,19 +116,35 @@ def console_id(*, retry: bool = False) -> str:
         # socket of the process for a connect timeout. Read in the background; the caller
         # is told the database is not there yet, as a read would have told it.
         _read_in_background()
+        import psycopg
+
+        # With a driver's connection error as its cause, as a read would raise: what answers
+        # 503, not 500 (reachconsole/core/outages.py).
         raise OperationalError("the console's name is not known yet: it is read from the "
-                               "database, which has not answered since this process started")
+                               "database, which has not answered since this process started"
+                               ) from psycopg.OperationalError("not read yet")
     with _lock:
         if _resolved is None:
             if (not retry and _failed is not None
                     and time.monotonic() - _failed[0] < RETRY_AFTER_S):
-                raise _failed[1]
+                raise _fresh(_failed[1])
             _read_once()
             if _resolved is None:
                 assert _failed is not None
-                raise _failed[1]
+                raise _fresh(_failed[1])
     assert _resolved is not None
     return _resolved
+
+
+def _fresh(exc: BaseException) -> BaseException:
+    """A copy of a remembered failure for each caller: one object raised again and again, from
+    many threads, would grow its traceback with every raise and keep their frames alive."""
+    try:
+        copy = type(exc)(*exc.args)
+    except Exception:  # noqa: BLE001  (an error that cannot be made again: the same one)
+        return exc
+    copy.__cause__ = exc.__cause__
+    return copy
 
 
 def _read_once() -> None:

@@ -6,11 +6,15 @@ long as the stall lasts: the request, its thread and its pooled connection with 
 behind them every request that waits for a connection. PostgreSQL's own timeouts cannot
 help (its answer cannot arrive), and libpq has no timeout of its own for a query.
 
-So a watchdog thread keeps the deadline of each query in flight, and a query still running
-at its deadline has its connection's socket shut down: the query fails at once with a
-connection error, which answers 503 with Retry-After (reachconsole/unavailable.py); the pool
-discards the broken connection, and the server rolls the transaction back when it notices.
-Nothing half-done is committed: the query never returned.
+So a watchdog thread keeps the deadline of each query (and COMMIT, ROLLBACK, and the pool's
+check of a connection) in flight, and one still running at its deadline has its
+connection's socket shut down: it fails at once with a connection error, which answers 503
+with Retry-After (reachconsole/unavailable.py); the pool discards the broken connection, and
+the server rolls an open transaction back when it notices. A transaction cut off before its
+COMMIT was sent leaves nothing; one cut off while its COMMIT (or an autocommit write) was
+already on its way may have committed, as with any connection lost at that moment: the
+caller is told 503 and its retry meets the console's idempotency (the same taskId, the
+same idempotency key) rather than a second row.
 
 Only web processes install it (reachconsole/asgi.py): the bridge waits out a stall instead,
 acknowledging nothing it has not stored, so the broker keeps it. SQLite has no network path
@@ -41,6 +45,7 @@ class QueryBound:
 
     def __init__(self, bound_s: float):
         self.bound_s = bound_s
+        self.active = True  # False once uninstalled: wrappers already placed let queries be
         self.cut = 0  # queries cut off so far
         self._lock = threading.Lock()
         self._running: dict[int, tuple[float, int]] = {}  # token → (deadline, socket fd)
@@ -55,8 +60,13 @@ class QueryBound:
     @contextlib.contextmanager
     def watching(self, raw) -> Iterator[None]:
         """Cut `raw` (a psycopg connection) off if the block has not ended at the bound."""
+        if not self.active:
+            yield
+            return
         try:
-            fd = raw.fileno()
+            # A descriptor of our own for the socket: libpq may close its own while the
+            # query fails (a reset), and that number may then be given to another socket.
+            fd = os.dup(raw.fileno())
         except Exception:  # noqa: BLE001  (no socket: let the query say what is wrong)
             yield
             return
@@ -70,6 +80,25 @@ class QueryBound:
         finally:
             with self._lock:
                 self._running.pop(token, None)
+            os.close(fd)
+
+    def commit_bound(self, connection) -> None:
+        """COMMIT and ROLLBACK go to psycopg directly, past the execute wrappers; through a
+        stalled path they wait as a query does."""
+        for name in ("_commit", "_rollback"):
+            method = getattr(connection, name)
+            if getattr(method, "bounded_by", None) is self:
+                continue
+
+            def bounded(method=method):
+                raw = connection.connection
+                if raw is None:
+                    return method()
+                with self.watching(raw):
+                    return method()
+
+            bounded.bounded_by = self
+            setattr(connection, name, bounded)
 
     def pool_check_bound(self, pool) -> None:
         """The pool checks a connection before handing it out (CONN_HEALTH_CHECKS), on the
@@ -110,10 +139,13 @@ class QueryBound:
     def _shut(self, fd: int) -> None:
         self.cut += 1
         try:
-            # A duplicate of the descriptor: shutting it down ends the connection for the
-            # blocked reader, closing it leaves the original for its owner to close.
-            with socket.socket(fileno=os.dup(fd)) as sock:
+            # Shutting our descriptor's socket down ends the connection for the blocked
+            # reader too (one socket); it is closed by the block that opened it.
+            sock = socket.socket(fileno=fd)
+            try:
                 sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.detach()
         except OSError as exc:
             log.debug("cutting off a late query's connection failed: %s", exc)
             return
@@ -136,6 +168,7 @@ def _on_connection(sender, connection, **kwargs) -> None:
         return
     if _installed not in connection.execute_wrappers:
         connection.execute_wrappers.insert(0, _installed)
+    _installed.commit_bound(connection)
     pool = getattr(connection, "pool", None)
     if pool is not None:
         _installed.pool_check_bound(pool)
@@ -157,4 +190,6 @@ def query_bound_uninstall() -> None:
     """For a process that imported reachconsole.asgi without serving it (the test suite)."""
     global _installed
     connection_created.disconnect(dispatch_uid="reachconsole.query_bound")
+    if _installed is not None:
+        _installed.active = False  # also where it was placed already
     _installed = None
