@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from datetime import datetime, timedelta
 
 import pytest
@@ -17,6 +18,13 @@ from tests.mqtt import bridge, broker, mqtt_settings  # noqa: F401 - fixtures fo
 TOKEN = "test-token-aaaaaaaaaaaaaaaa"
 ROTATED_TOKEN = "test-token-bbbbbbbbbbbbbbbb"
 FIN_TOKEN = "test-token-fin-cccccccccccc"
+
+# A suite started in the background by a non-interactive shell (`cmd &` in a script) has
+# SIGINT ignored, and every process it starts inherits that: the tests that stop a console
+# with Ctrl-C (SIGINT) as a person would then wait on a process that cannot hear it. Python
+# handles SIGINT again for itself and, after exec, for its children.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
