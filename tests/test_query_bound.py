@@ -9,7 +9,9 @@ tests/test_fault_runs.py postgres-stall, through tests/stallproxy.py.)
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
@@ -80,7 +82,7 @@ def test_a_request_stuck_on_the_database_answers_503_and_others_are_untouched(
     assert bounded.cut == 1
 
 
-def test_the_pools_check_of_a_stalled_connection_is_cut_off_too(locker):
+def test_the_pools_check_of_a_stalled_connection_is_cut_off_too(locker, proxy):
     """Before handing a connection out the pool checks it, on the socket, outside any query:
     through a path that has stalled (tests/stallproxy.py holds it open and still) that check
     would wait for as long as the stall lasts. Bounded, it is cut off, the pool drops that
@@ -88,56 +90,31 @@ def test_the_pools_check_of_a_stalled_connection_is_cut_off_too(locker):
     still stalled."""
     from psycopg_pool import ConnectionPool, PoolTimeout
 
-    from tests.stallproxy import StallProxy
-
-    params = connection.get_connection_params()
-    proxy = StallProxy(target_host=params.get("host") or "127.0.0.1",
-                       target_port=int(params.get("port") or 5432)).start()
-    pool = ConnectionPool(kwargs={**params, "host": proxy.host, "port": proxy.port,
-                                  "autocommit": True},
+    pool = ConnectionPool(kwargs={**connection.get_connection_params(), "host": proxy.host,
+                                  "port": proxy.port, "autocommit": True},
                           min_size=1, max_size=1, timeout=2, open=False,
                           check=ConnectionPool.check_connection)
     bound = QueryBound(1.0)
     bound.pool_check_bound(pool)
     bound.pool_check_bound(pool)  # once is enough: not wrapped twice
-    resumed = threading.Event()
-
-    def resume() -> None:
-        resumed.set()
-        proxy.resume()
-
     try:
         pool.open(wait=True)
         with pool.connection() as conn:
             assert conn.execute("SELECT 1").fetchone() == (1,)
-        proxy.stall()
         # The path moves again long after the pool's timeout: a check that waited for it
         # would hand the connection out then, with no PoolTimeout.
-        timer = threading.Timer(15, resume)
-        timer.start()
-        try:
-            with pytest.raises(PoolTimeout):
-                pool.getconn()
-            answered_while_stalled = not resumed.is_set()
-        finally:
-            timer.cancel()
-            proxy.resume()
-        assert answered_while_stalled
+        with stalled_for_a_while(proxy) as still_stalled, pytest.raises(PoolTimeout):
+            pool.getconn()
+        assert still_stalled()
         assert bound.cut >= 1
     finally:
         pool.close()
-        proxy.stop()
 
 
-def test_a_commit_through_a_stalled_path_is_cut_off(locker):
+def test_a_commit_through_a_stalled_path_is_cut_off(locker, proxy):
     """COMMIT goes to psycopg directly, past the execute wrappers: bounded on its own."""
     from django.db import connections
 
-    from tests.stallproxy import StallProxy
-
-    params = connection.get_connection_params()
-    proxy = StallProxy(target_host=params.get("host") or "127.0.0.1",
-                       target_port=int(params.get("port") or 5432)).start()
     # A connection of its own to the test database through the proxy, outside the pool (a
     # pool is one per alias, shared with the test's own connection).
     own = connections.create_connection("default")
@@ -147,28 +124,50 @@ def test_a_commit_through_a_stalled_path_is_cut_off(locker):
     bound = QueryBound(1.0)
     bound.commit_bound(own)
     bound.commit_bound(own)  # once is enough
+    try:
+        own.set_autocommit(False)
+        with own.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        with stalled_for_a_while(proxy) as still_stalled, pytest.raises(OperationalError):
+            own.commit()
+        assert still_stalled()
+        assert bound.cut == 1
+    finally:
+        own.close()
+
+
+@pytest.fixture
+def proxy():
+    """A stall proxy (tests/stallproxy.py) in front of the test database's server."""
+    from tests.stallproxy import StallProxy
+
+    params = connection.get_connection_params()
+    running = StallProxy(target_host=params.get("host") or "127.0.0.1",
+                         target_port=int(params.get("port") or 5432)).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@contextlib.contextmanager
+def stalled_for_a_while(proxy) -> Iterator[Callable[[], bool]]:
+    """Stall `proxy`, and let it move again only after 15 s, far past every bound here.
+    Yields a function that says whether the path was still stalled when it was called: an
+    answer that came only because the path moved would say False."""
     resumed = threading.Event()
 
     def resume() -> None:
         resumed.set()
         proxy.resume()
 
+    answered: list[bool] = []
+    proxy.stall()
+    timer = threading.Timer(15, resume)
+    timer.start()
     try:
-        own.set_autocommit(False)
-        with own.cursor() as cursor:
-            cursor.execute("SELECT 1")
-        proxy.stall()
-        timer = threading.Timer(15, resume)
-        timer.start()
-        try:
-            with pytest.raises(OperationalError):
-                own.commit()
-            answered_while_stalled = not resumed.is_set()
-        finally:
-            timer.cancel()
-            proxy.resume()
-        assert answered_while_stalled
-        assert bound.cut == 1
+        yield lambda: answered[0]
     finally:
-        own.close()
-        proxy.stop()
+        answered.append(not resumed.is_set())
+        timer.cancel()
+        proxy.resume()
