@@ -35,7 +35,6 @@ from django.db import (
     OperationalError,
     close_old_connections,
     connection,
-    transaction,
 )
 from django.utils import timezone
 from paho.mqtt.packettypes import PacketTypes
@@ -44,12 +43,10 @@ from paho.mqtt.properties import Properties
 from directory.resolver import LOCAL_AGENTS
 from messages import protocol, signing
 from messages.broker_caps import REFRESH_S, SYS_WAIT_S, broker_caps_record, connack_caps
-from messages.delivery import ack_deadline
-from messages.events import events_on_commit
 from messages.handlers import LOCAL_HANDLERS
 from messages.inbound import Incoming, messages_ingest
 from messages.ingest_lock import IngestLock
-from messages.models import Message, Status
+from messages.models import Message
 from messages.mqtt_client import (
     broker_target,
     connect_failure_reason,
@@ -60,12 +57,11 @@ from messages.outbox import (
     OutboxListener,
     outbox_claim,
     outbox_defer,
-    outbox_release_responses,
     outbox_subscribe,
     outbox_unsubscribe,
 )
+from messages.puback import Puback, pubacks_apply
 from messages.rows import row_encode
-from messages.state import Change, changes_apply, late_pubacks_record
 from reachconsole.core import identity
 from reachconsole.core.logs import log_fields
 from reachconsole.core.metrics import LocalCounter
@@ -988,16 +984,15 @@ class Bridge:
         client = self._client
         if client is None or not rows:
             return
-        failed: list[Change] = []
+        failed: list[Puback] = []
         deferred: list[int] = []
         released: list[str] = []
+        now = timezone.now()
         for row in rows:
             try:
                 data = row_encode(row)
             except (ValueError, TypeError) as exc:
-                failed.append(Change(pk=row.pk, to=Status.FAILED,
-                                     allowed=frozenset({Status.SENT}), actor="bridge",
-                                     reason=str(exc), fields={"error": str(exc)}))
+                failed.append(Puback(pk=row.pk, request=False, at=now, not_sent=str(exc)))
                 released += filter(None, [_response_waits_for(row)])
                 continue
             topic = row.topic or protocol.inbox_topic(self.prefix, row.target_node_id)
@@ -1015,11 +1010,10 @@ class Bridge:
             jitter = 0.5 + random.random() * 0.5  # noqa: S311
             outbox_defer(pks=deferred, until=timezone.now() + timedelta(seconds=jitter))
         if failed:
-            self._apply(failed, release=released)
+            self._pubacks_apply(failed, release=released)
 
     def _confirm(self, confirms: list[_Confirmed]) -> None:
-        now = timezone.now()
-        changes = []
+        pubacks: list[Puback] = []
         released: list[str] = []
         for item in confirms:
             pk, request, waiting = self._pending.pop(item.mid, (None, False, ""))
@@ -1027,59 +1021,29 @@ class Bridge:
                 continue
             if waiting:  # the broker has the ACK (or refused it): the response may go now
                 released.append(waiting)
-            if item.failure:
-                reason = f"the broker refused it: {item.failure}"
-                changes.append(Change(pk=pk, to=Status.FAILED, allowed=frozenset({Status.SENT}),
-                                      actor="bridge", reason=reason,
-                                      fields={"error": reason, "finished_at": now}))
-            else:
-                # The receiver's time to acknowledge runs from when the broker took it. An
-                # answer of ours is done once the broker has it: it leaves the deadlines.
-                fields = ({"published_at": item.at, "publish_at": None,
-                           "ack_deadline_at": ack_deadline(item.at)} if request else
-                          {"published_at": item.at, "publish_at": None, "deadline_at": None})
-                changes.append(Change(pk=pk, to=Status.PUBLISHED,
-                                      allowed=frozenset({Status.SENT}), actor="bridge",
-                                      reason="PUBACK", fields=fields))
-        skipped = self._apply(changes, now=now, release=released)
-        # An ACK may have overtaken the PUBACK: keep the time the broker took it anyway.
-        taken = [c.pk for c in changes if c.to == Status.PUBLISHED]
-        if taken and skipped:
-            try:
-                late_pubacks_record(pks=taken, now=now)
-            except DatabaseError as exc:
-                log.warning("could not record when the broker took %d messages: %s",
-                            len(taken), exc)
+            pubacks.append(Puback(pk=pk, request=request, at=item.at,
+                                  broker_refused=item.failure))
+        self._pubacks_apply(pubacks, release=released)
 
-    def _apply(self, changes: list[Change], now: datetime | None = None,
-               release: list[str] | None = None) -> int:
-        """Apply status changes, and make due the responses that waited for these ACKs
-        (`release`: the requests they answer), retrying through a database outage; returns
-        how many changes were skipped (their rows had moved on)."""
-        if not changes:
-            return 0
-        now = now or timezone.now()
+    def _pubacks_apply(self, pubacks: list[Puback], *, release: list[str]) -> None:
+        """Record what the broker said (messages/puback.py), retrying through a database
+        outage."""
+        if not pubacks:
+            return
         for delay in (*RETRY_BACKOFF_S, None):
             try:
                 connection_keep()
-                with transaction.atomic():
-                    # With the ACK's change: a response is never left waiting for an ACK
-                    # whose PUBACK was recorded. Before changes_apply, which may take agents'
-                    # load rows: message rows first (messages/load.py, the lock order).
-                    released = bool(release) and outbox_release_responses(request_ids=release,
-                                                                          now=now)
-                    applied = changes_apply(changes, now=now)
-                    events_on_commit(applied.events)
-                if released:  # committed: the claim loop will see them
+                result = pubacks_apply(pubacks=pubacks, release=release, now=timezone.now())
+                if result.released:  # committed: the claim loop will see them
                     self._outbox_due.set()
-                return applied.skipped
+                return
             except DatabaseError as exc:
                 if delay is None or self._stop.is_set():
                     # Rows stay SENT: their claim runs out and they are published again.
-                    log.error("could not record %d status changes: %s", len(changes), exc)
-                    return 0
+                    log.error("could not record %d answers of the broker: %s",
+                              len(pubacks), exc)
+                    return
                 time.sleep(delay)
-        return 0
 
     def _register_local_agents(self) -> None:
         if not self.node_id:

@@ -253,14 +253,10 @@ def console_hears(db):
 
 def published(row, when: datetime) -> None:
     """What the bridge records on the broker's PUBACK for `row`, at `when`."""
-    from messages.models import Status
-    from messages.state import Change, changes_apply
+    from messages.puback import Puback, pubacks_apply
 
-    deadline = when + timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS)
-    changes_apply([Change(pk=row.pk, to=Status.PUBLISHED, allowed=frozenset({Status.SENT}),
-                          actor="bridge", reason="PUBACK",
-                          fields={"published_at": when, "publish_at": None,
-                                  "ack_deadline_at": deadline})], now=when)
+    pubacks_apply(pubacks=[Puback(pk=row.pk, request=row.message_type == "TASK_REQUEST",
+                                  at=when)], release=[], now=when)
 
 
 def acked(row, when: datetime) -> None:
