@@ -40,10 +40,14 @@ from django.utils import timezone
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from directory.resolver import LOCAL_AGENTS
-from messages import protocol, signing
+from messages import protocol
 from messages.broker_caps import REFRESH_S, SYS_WAIT_S, broker_caps_record, connack_caps
-from messages.handlers import LOCAL_HANDLERS
+from messages.handlers import (
+    LOCAL_HANDLERS,
+    console_agents_heartbeat,
+    console_agents_register,
+    console_agents_renew,
+)
 from messages.inbound import Incoming, messages_ingest
 from messages.ingest_lock import IngestLock
 from messages.models import Message
@@ -66,7 +70,6 @@ from reachconsole.core import identity
 from reachconsole.core.logs import log_fields
 from reachconsole.core.metrics import LocalCounter
 from roster.hearing import PROBE_EVERY_S, hearing_lost, hearing_record
-from roster.services import agent_register, heartbeat_record
 
 log = logging.getLogger(__name__)
 
@@ -1049,30 +1052,19 @@ class Bridge:
         if not self.node_id:
             return
         try:
-            for agent_id in LOCAL_AGENTS:
-                agent_register(agent_id=agent_id, node_id=self.node_id, version="console",
-                               actor="bridge", metadata={"local": True})
+            console_agents_register(node_id=self.node_id)
         except Exception:
             log.exception("could not register the console's own agents")
 
     def _heartbeat(self) -> None:
-        agents = [{"agentId": a, "inflight": 0, "queueDepth": 0, "maxInflight": 64}
-                  for a in LOCAL_AGENTS]
-        env = protocol.new_envelope(
-            message_type=protocol.MessageType.HEARTBEAT, from_agent_id=self.node_id,
-            headers={"originNodeId": self.node_id},
-            payload={"heartbeatMs": int(self.heartbeat_s * 1000), "agents": agents},
-        )
+        heartbeat_ms = int(self.heartbeat_s * 1000)
         if self._client is not None:
-            keyring = signing.keyring_for(settings.REACH_SIGNING_KEYS)
-            key = keyring.signing_key(self.node_id) if keyring else None
             self._client.publish(protocol.heartbeat_topic(self.prefix, self.node_id),
-                                 protocol.encode(env, key=key), qos=0)
+                                 console_agents_heartbeat(node_id=self.node_id,
+                                                          heartbeat_ms=heartbeat_ms), qos=0)
         try:
             connection_keep()
-            # Our own heartbeat comes back as an echo and is dropped: renew directly.
-            heartbeat_record(node_id=self.node_id, agents=agents,
-                             heartbeat_ms=int(self.heartbeat_s * 1000))
+            console_agents_renew(node_id=self.node_id, heartbeat_ms=heartbeat_ms)
         except DatabaseError as exc:
             log.warning("could not renew the console's own agents: %s", exc)
 

@@ -34,7 +34,7 @@ from django.utils import timezone
 from messages import protocol, signing
 from messages.delivery import retry_or_give_up
 from messages.events import events_on_commit, message_events
-from messages.handlers import LOCAL_HANDLERS
+from messages.handlers import LOCAL_HANDLERS, console_agent_run
 from messages.idempotency import (
     copies_stood_in,
     copies_twin_take,
@@ -577,22 +577,16 @@ def _refuse(row: ReceivedRow, reason: str, acts: _Acts) -> None:
 
 
 def _request_to_console(row: ReceivedRow, acts: _Acts) -> None:
-    handler = LOCAL_HANDLERS.get(row.to_agent_id)
-    if handler is None:
+    if row.to_agent_id not in LOCAL_HANDLERS:
         _refuse(row, f"node {settings.REACH_NODE_ID} hosts no agent "
                 f"{row.to_agent_id or '(none named)'}", acts)
         return
     now = acts.now
     ack = reply_row(to=row, message_type=MT.ACK, payload={}, now=now,
                     extra_headers={"ackFor": row.message_id})
-    fields: dict = {"finished_at": now}
-    try:
-        response_payload = {"ok": True, "result": handler(row.wire_payload)}
-    except Exception as exc:  # a handler's failure is the task's answer, not the bridge's
-        log.exception("local handler %s failed", row.to_agent_id, extra=row_log_fields(row))
-        response_payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        # On the request too: its task's outcome is TASK_ERROR, with the words.
-        fields["error"] = f"the task failed: {response_payload['error']}"[:2000]
+    answer = console_agent_run(agent_id=row.to_agent_id, payload=row.wire_payload,
+                               log_extra=row_log_fields(row))
+    fields: dict = {"finished_at": now, **({"error": answer.error} if answer.error else {})}
     # Consumed here and only here: this row was just inserted, so no other path has it.
     acts.changes.append(Change(pk=row.pk, to=Status.LOCAL_CONSUMED,
                                allowed=frozenset({Status.RECV}), reason="handled by the console",
@@ -600,7 +594,7 @@ def _request_to_console(row: ReceivedRow, acts: _Acts) -> None:
     # The response waits in the outbox until the broker has taken the ACK (the bridge makes
     # it due then): the requester hears ACK, then TASK_RESPONSE, whichever bridge publishes
     # which (PROTOCOL.md: ACK when accepted, then TASK_RESPONSE).
-    response = reply_row(to=row, message_type=MT.TASK_RESPONSE, payload=response_payload,
+    response = reply_row(to=row, message_type=MT.TASK_RESPONSE, payload=answer.payload,
                          now=now, extra_headers={"inReplyTo": row.message_id}, due=ack is None)
     acts.replies += [r for r in (ack, response) if r]
 

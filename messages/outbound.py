@@ -18,7 +18,7 @@ from directory.routing import group_members, isolation_refusal, namespace_of, ro
 from messages import protocol
 from messages.delivery import busy_reason, storm_refusal, transmissions_in_window
 from messages.events import events_on_commit, message_events
-from messages.handlers import LOCAL_HANDLERS
+from messages.handlers import console_agent_run
 from messages.ledger import Ledger, group_member_key
 from messages.load import Capacities, loads_lock, loads_of, task_locks
 from messages.models import (
@@ -444,19 +444,12 @@ def _move(row: Message, to: str, *, reason: str, actor: str, now: datetime,
 
 def _consume_locally(row: Message, *, now: datetime, actor: str, ledger: Ledger) -> list[dict]:
     """The console's own agents answer in-process: the request is consumed once, here."""
-    handler = LOCAL_HANDLERS[row.to_agent_id]
     row.target_node_id = settings.REACH_NODE_ID
-    error = ""
-    try:
-        payload = {"ok": True, "result": handler(row.payload)}
-    except Exception as exc:  # a handler's failure is the task's answer, not the sender's
-        log.exception("local handler %s failed", row.to_agent_id)
-        payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        # On the request too: its task's outcome is TASK_ERROR, with the words.
-        error = f"the task failed: {payload['error']}"[:2000]
+    answer = console_agent_run(agent_id=row.to_agent_id, payload=row.payload)
     events = _move(row, Status.LOCAL_CONSUMED, reason="handled by the console", actor=actor,
-                   now=now, finished_at=now, target_node_id=row.target_node_id, error=error)
-    response = local_response_row(request=row, payload=payload, now=now)
+                   now=now, finished_at=now, target_node_id=row.target_node_id,
+                   error=answer.error)
+    response = local_response_row(request=row, payload=answer.payload, now=now)
     response.save(force_insert=True)
     ledger.inserted([response])
     return events + message_events(response, previous="")
