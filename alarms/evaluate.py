@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.core.cache import cache
 from django.db import connection, transaction
 from django.db.models import Count, Q
 from django.utils import timezone
@@ -45,7 +44,7 @@ from messages.ledger import AGENT, ALL
 from messages.models import Status
 from messages.rollups import FAILED_OUTCOMES, SubjectStats, subject_stats, subjects_stats
 from reachconsole import health
-from reachconsole.overview import BROKER_DROPS_KEY
+from reachconsole.core.broker_drops import broker_drops_read
 from roster.models import Agent, ClusterNode
 
 log = logging.getLogger(__name__)
@@ -218,7 +217,7 @@ def _delivery(found: Found, *, now: datetime, active: set[Key]) -> None:
 
 def _drops(found: Found) -> None:
     try:
-        drops = cache.get(BROKER_DROPS_KEY)
+        drops = broker_drops_read()
     except Exception as exc:  # the cache (Redis) is down: its own alarms say so
         log.warning("alarms: the broker-drops note could not be read (%s)", exc)
         found.unknown.add(Kind.BROKER_DROPS)

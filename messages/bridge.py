@@ -28,7 +28,6 @@ from typing import Any
 import paho.mqtt.client as mqtt
 import redis.exceptions
 from django.conf import settings
-from django.core.cache import cache
 from django.db import (
     DatabaseError,
     InterfaceError,
@@ -67,6 +66,7 @@ from messages.outbox import (
 from messages.puback import Puback, pubacks_apply
 from messages.rows import row_encode
 from reachconsole.core import identity
+from reachconsole.core.broker_drops import broker_drops_note
 from reachconsole.core.logs import log_fields
 from reachconsole.core.metrics import LocalCounter
 from roster.hearing import PROBE_EVERY_S, hearing_lost, hearing_record
@@ -75,8 +75,6 @@ log = logging.getLogger(__name__)
 
 QUEUE_LIMIT = 20_000
 BROKER_DROPPED_TOPIC = "$SYS/broker/publish/messages/dropped"
-BROKER_DROPS_KEY = "broker-drops"
-BROKER_DROPS_ALARM_S = 3600  # how long the pages show the alarm after the last drop
 RETRY_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 # How bridges split the inbound topics (README "Scaling out"): "auto" shares them when the
 # broker can (MQTT 5 without SharedSubscriptionAvailable = 0), else one bridge ingests.
@@ -716,9 +714,7 @@ class Bridge:
             log.error("the MQTT broker dropped %d messages (%d since it started): raise its "
                       "max_queued_messages / max_inflight_messages (docs/performance.md)",
                       total - previous, total)
-            cache.set(BROKER_DROPS_KEY, {"dropped": total - previous, "total": total,
-                                         "at": timezone.now().isoformat()},
-                      timeout=BROKER_DROPS_ALARM_S)
+            broker_drops_note(dropped=total - previous, total=total, now=timezone.now())
 
     def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
         # paho calls this holding its outgoing-message lock, which the owner thread needs to

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.contrib.auth.decorators import login_required
-from django.core.cache import cache
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.utils import timezone
@@ -28,17 +27,13 @@ from messages.selectors import load_totals
 from messages.stats import MessageStats, message_stats
 from reachconsole import health
 from reachconsole.charts import Chart, bar_chart, line_chart
+from reachconsole.core.broker_drops import broker_drops_read
 from reachconsole.core.metrics import counters_snapshot
 from reachconsole.error_pages import error_response
 from roster.hearing import bridges_hearing
 from roster.selectors import node_summary, roster_counts
 
 log = logging.getLogger(__name__)
-
-# Written by the MQTT bridge (messages/bridge.py BROKER_DROPS_KEY, which pages may not
-# import) when the broker reports that it dropped messages.
-BROKER_DROPS_KEY = "broker-drops"
-
 
 @dataclass(frozen=True)
 class Window:
@@ -170,7 +165,7 @@ def broker_state(*, now: datetime) -> dict:
             state["embedded"] = EMBEDDED_WORDS
         else:
             state["limits"] = sorted({words for entry in live for words in entry["limits"]})
-        state["drops"] = cache.get(BROKER_DROPS_KEY)
+        state["drops"] = broker_drops_read()
         counters = counters_snapshot()
         state["reconnects"] = sum(v for k, v in counters.items() if k.startswith("reconnects:"))
         state["duplicates_total"] = sum(counters.get(k, 0) for k in (

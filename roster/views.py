@@ -8,7 +8,6 @@ from typing import Any, Protocol
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required, permission_required
-from django.core.cache import cache
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
@@ -17,6 +16,7 @@ from django.views.decorators.http import require_GET, require_POST
 from django.views.decorators.vary import vary_on_headers
 
 from reachconsole.core.audit import audit_record
+from reachconsole.core.broker_drops import broker_drops_read
 from roster import services
 from roster.errors import RosterError
 from roster.loads import LOAD_MEANING, agents_load
@@ -105,8 +105,7 @@ def health(request: HttpRequest, numbers: RosterNumbers | None = None) -> HttpRe
     query = flt.as_query()
     paging = {**query, "sort": sort} if sort else query
     context = {
-        # Written by the MQTT bridge (messages app) when the broker reports dropped messages.
-        "broker_drops": cache.get("broker-drops"),
+        "broker_drops": broker_drops_read(),
         "agents": page.agents, "total": agents_filter(flt, now=now).count(),
         "after": after, "after_query": urlencode({"after": after}),
         "next_query": urlencode({**paging, "after": page.next_cursor}) if page.next_cursor

@@ -114,10 +114,10 @@ def _no_delivery_tallies_of_earlier_tests():
     delivery_forget()
     # Nor the capability coverage an earlier test's overview kept for a few seconds, nor
     # the broker-drops note an earlier test's bridge left (it raises an alarm of its own).
-    from reachconsole.overview import BROKER_DROPS_KEY
+    from reachconsole.core import broker_drops
 
     try:
-        cache.delete_many([CACHE_KEY, BROKER_DROPS_KEY])
+        cache.delete_many([CACHE_KEY, broker_drops.KEY])
     except Exception:  # noqa: S110 - a test that took the cache away; nothing was kept
         pass
 

@@ -326,20 +326,18 @@ def test_an_agent_both_failing_and_expiring_raises_its_expiries_under_its_failin
 
 
 def test_the_bus_not_heard_and_the_brokers_drops_fire_and_clear(settings):
-    from django.core.cache import cache
-
-    from reachconsole.overview import BROKER_DROPS_KEY
+    from reachconsole.core.broker_drops import broker_drops_forget, broker_drops_note
     from roster.models import BusHearing
 
     BusHearing.objects.update(hearing_since=None)
-    cache.set(BROKER_DROPS_KEY, {"dropped": 12, "total": 40, "at": "2026-12-01T10:00:00Z"})
+    broker_drops_note(dropped=12, total=40, now=timezone.now())
     try:
         alarms_evaluate()
         bus = one(K.BUS_NOT_HEARD, "console")
         assert "no MQTT bridge hears the bus" in bus.detail
         assert "dropped 12 messages" in one(K.BROKER_DROPS, "console").detail
     finally:
-        cache.delete(BROKER_DROPS_KEY)
+        broker_drops_forget()
     BusHearing.objects.update(hearing_since=timezone.now() - timedelta(hours=1))
     result = alarms_evaluate()
     assert sorted(result.cleared) == [(K.BROKER_DROPS, "console"), (K.BUS_NOT_HEARD, "console")]

@@ -400,11 +400,11 @@ def test_a_broker_restart_mid_run_loses_nothing_and_runs_nothing_twice(
 def test_broker_drops_raise_an_alarm_on_the_roster_page(mqtt_settings, admin_client):
     """Mosquitto's $SYS drop counter is the only place such losses show."""
     import paho.mqtt.client as mqtt
-    from django.core.cache import cache
 
-    from messages.bridge import BROKER_DROPPED_TOPIC, BROKER_DROPS_KEY
+    from messages.bridge import BROKER_DROPPED_TOPIC
+    from reachconsole.core.broker_drops import broker_drops_forget
 
-    cache.delete(BROKER_DROPS_KEY)
+    broker_drops_forget()
     bridge = Bridge(url=settings.MQTT_URL, node_id="console", prefix=settings.MQTT_TOPIC_PREFIX)
 
     def counter(value: bytes) -> mqtt.MQTTMessage:
@@ -417,7 +417,7 @@ def test_broker_drops_raise_an_alarm_on_the_roster_page(mqtt_settings, admin_cli
     assert bridge.dropped_total == 12 and bridge.counts["broker_dropped"] == 5
     html = admin_client.get("/").content.decode()
     assert 'id="broker-drops"' in html and "dropped 5 messages" in html
-    cache.delete(BROKER_DROPS_KEY)
+    broker_drops_forget()
     assert 'id="broker-drops"' not in admin_client.get("/").content.decode()
 
 
