@@ -18,10 +18,10 @@ from directory.routing import namespace_of
 from messages.events import events_on_commit, message_events
 from messages.ledger import Ledger, task_key
 from messages.load import held_release, task_locks
-from messages.models import CANCELABLE_STATUSES, Direction, Message, Status, Task
+from messages.models import CANCELABLE_STATUSES, Change, Direction, Message, Status, Task
 from messages.outbox import outbox_wake
 from messages.rows import cancel_row
-from messages.state import Change, atomic_retrying, changes_apply, messages_insert_new
+from messages.state import atomic_retrying, changes_apply, messages_insert_new
 from messages.taskbook import within_namespaces
 from reachconsole.core.audit import audit_record
 from reachconsole.core.errors import ConsoleError

@@ -43,7 +43,7 @@ from messages.idempotency import (
 )
 from messages.ledger import Ledger
 from messages.load import held_release
-from messages.models import Direction, Message, Status
+from messages.models import Change, Direction, Heard, Message, Status
 from messages.outbound import message_reroute
 from messages.redact import redacted
 from messages.rows import (
@@ -53,7 +53,7 @@ from messages.rows import (
     reply_row,
     row_log_fields,
 )
-from messages.state import Change, Heard, atomic_retrying, changes_apply, messages_insert_new
+from messages.state import atomic_retrying, changes_apply, messages_insert_new
 from roster.errors import RosterError
 from roster.models import NODE_ID_RE
 from roster.services import (

@@ -31,7 +31,8 @@ from django.db import connection, transaction
 from django.db.models import Count, F, Q
 from django.db.models.functions import Greatest
 
-from messages.models import INFLIGHT_STATUSES, AgentLoad, Direction, Message, Status
+from directory.resolver import resolve_agent_node
+from messages.models import INFLIGHT_STATUSES, AgentLoad, Change, Direction, Message, Status
 from messages.protocol import inbox_topic
 from roster.models import Agent
 
@@ -160,9 +161,6 @@ def held_release(*, agent_ids: Iterable[str], now: datetime) -> tuple[list[int],
     Runs in the caller's transaction. Returns (pks now due in the outbox, status changes
     for held messages whose agent can no longer take work: they become UNDELIVERABLE).
     """
-    from directory.resolver import resolve_agent_node
-    from messages.state import Change
-
     publish: list[int] = []
     changes: list[Change] = []
     capacities = loads_lock(agent_ids)

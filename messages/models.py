@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
@@ -87,6 +90,36 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     Status.LOCAL_CONSUMED: frozenset({Status.SENT, Status.RECV}),
 }
 
+
+
+@dataclass(frozen=True, slots=True)
+class Heard:
+    """Where an answer came from: its headers.originNodeId ("" when absent), the node whose
+    inbox it came on, and how the console heard it (RECV or OBSERVED)."""
+
+    origin_node_id: str
+    heard_on: str
+    direction: str
+
+
+@dataclass
+class Change:
+    """Move the message `message_id` (or `pk`) to `to`, if its status may go there
+    (TRANSITIONS above) and is one of `allowed` when given (a narrower guard). Applied by
+    messages.state.changes_apply, the only writer of statuses."""
+
+    to: str
+    reason: str
+    actor: str
+    allowed: frozenset[str] | None = None
+    message_id: str | None = None
+    pk: int | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+    by: str = ""
+    retryable: bool = False  # a NACK that allows another attempt
+    # An answer heard on the bus: it moves the row only if it came from the right node on
+    # the right inbox (Message.answer_refusal); otherwise it is refused, not skipped.
+    heard: Heard | None = None
 
 class Message(models.Model):
     """One transmission. A retry or a resend is a new row with a new message id."""

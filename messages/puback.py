@@ -19,9 +19,9 @@ from django.db import transaction
 
 from messages.delivery import ack_deadline
 from messages.events import events_on_commit
-from messages.models import Status
+from messages.models import Change, Status
 from messages.outbox import outbox_release_responses
-from messages.state import Change, changes_apply, late_pubacks_record
+from messages.state import changes_apply, late_pubacks_record
 
 _SENT = frozenset({Status.SENT})
 

@@ -22,7 +22,14 @@ from django.db import OperationalError, connection, models, transaction
 from messages.events import events_on_commit, message_events, publisher
 from messages.ledger import Ledger
 from messages.load import Deltas, slot_of
-from messages.models import ANSWERED_STATUSES, TRANSITIONS, Message, Status, Transition
+from messages.models import (
+    ANSWERED_STATUSES,
+    TRANSITIONS,
+    Change,
+    Message,
+    Status,
+    Transition,
+)
 from messages.outbox import outbox_wake
 from messages.rows import cancel_row
 from messages.tally import DeliveryTally
@@ -181,35 +188,6 @@ def _params(rows: list[Message], fields: list) -> list[tuple]:
                 values.append(f.get_db_prep_save(value, connection))
         out.append(tuple(values))
     return out
-
-
-@dataclass
-class Change:
-    """Move the message `message_id` (or `pk`) to `to`, if its status may go there
-    (messages.models.TRANSITIONS) and is one of `allowed` when given (a narrower guard)."""
-
-    to: str
-    reason: str
-    actor: str
-    allowed: frozenset[str] | None = None
-    message_id: str | None = None
-    pk: int | None = None
-    fields: dict[str, Any] = field(default_factory=dict)
-    by: str = ""
-    retryable: bool = False  # a NACK that allows another attempt
-    # An answer heard on the bus: it moves the row only if it came from the right node on
-    # the right inbox (Message.answer_refusal); otherwise it is refused, not skipped.
-    heard: Heard | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Heard:
-    """Where an answer came from: its headers.originNodeId ("" when absent), the node whose
-    inbox it came on, and how the console heard it (RECV or OBSERVED)."""
-
-    origin_node_id: str
-    heard_on: str
-    direction: str
 
 
 _ORDER = {"PUBLISHED": 0, "ACKED": 1, "NACKED": 2, "BUSY": 2, "RETRYING": 3, "COMPLETED": 4,

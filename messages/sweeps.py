@@ -23,10 +23,10 @@ from django.utils import timezone
 from messages.delivery import retry_or_give_up
 from messages.events import events_on_commit
 from messages.load import held_release, loads_to_release, task_locks
-from messages.models import OPEN_STATUSES, Direction, Message, Status, Task, Transition
+from messages.models import OPEN_STATUSES, Change, Direction, Message, Status, Task, Transition
 from messages.outbound import RETRY_STORM, message_next_attempt
 from messages.outbox import outbox_wake
-from messages.state import Change, atomic_retrying, changes_apply
+from messages.state import atomic_retrying, changes_apply
 from roster.hearing import bus_hearing
 
 SWEEP_BATCH = 500

@@ -19,8 +19,6 @@ NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 # the roster and the directory can tell them apart without importing the messages app.
 CONSOLE_AGENTS = frozenset({"ops.probe"})
 
-_LOOKUP = object()
-
 
 def is_console_agent(agent_id: str, node_id: str | None = None) -> bool:
     """The console's own: one of its local agents, or anything on its own node (which runs no
@@ -48,12 +46,6 @@ def lapse_cutoff(hearing) -> datetime | None:
     if hearing is None:
         return None
     return hearing.through_once_heard_for(timedelta(milliseconds=settings.REACH_LEASE_TTL_MS))
-
-
-def _hearing(now: datetime):
-    from roster.hearing import bus_hearing
-
-    return bus_hearing(now=now)
 
 
 class Namespace(models.Model):
@@ -198,27 +190,22 @@ class Agent(models.Model):
     def lease_remaining(self, now: datetime | None = None) -> timedelta:
         return self.lease_expires_at - (now or timezone.now())
 
-    def is_stale(self, now: datetime | None = None, hearing=_LOOKUP) -> bool:
+    def is_stale(self, *, hearing, now: datetime | None = None) -> bool:
         """Missed two heartbeats in a row while its lease still runs (an early warning), or
         on a node reconciliation found STALE: what the directory calls STALE and routes no
-        work to (directory/resolver.py). Read with its node (select_related)."""
+        work to (directory/resolver.py). Read with its node (select_related). `hearing`: the
+        console's (roster.hearing.bus_hearing), which silence is judged against."""
         if self.status == self.Status.OFFLINE:
             return False
         if self.node.consistency == Consistency.STALE:
             return True
         now = now or timezone.now()
-        cutoff = stale_cutoff(_hearing(now) if hearing is _LOOKUP else hearing)
+        cutoff = stale_cutoff(hearing)
         return cutoff is not None and (self.last_heartbeat_at or self.registered_at) < cutoff
 
-    def lease_lapsed(self, now: datetime | None = None, hearing=_LOOKUP) -> bool:
-        now = now or timezone.now()
-        cutoff = lapse_cutoff(_hearing(now) if hearing is _LOOKUP else hearing)
+    def lease_lapsed(self, *, hearing) -> bool:
+        cutoff = lapse_cutoff(hearing)
         return cutoff is not None and self.lease_expires_at <= cutoff
-
-    def is_routable(self, now: datetime | None = None, hearing=_LOOKUP) -> bool:
-        """New work may be sent to it: online, lease valid, not draining."""
-        return (self.status == self.Status.ONLINE
-                and not self.lease_lapsed(now, hearing=hearing))
 
 
 class LeaseDeadline(models.Model):

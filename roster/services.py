@@ -450,7 +450,7 @@ def agent_undrain(*, agent_id: str, actor: str = "", now: datetime | None = None
     with transaction.atomic():
         agent = _agent_for_update(agent_id)
         if agent.status == Agent.Status.DRAINING:
-            if agent.lease_lapsed(now):
+            if agent.lease_lapsed(hearing=bus_hearing(now=now)):
                 raise errors.LeaseLapsed(errors.LEASE_LAPSED_UNDRAIN.format(
                     agent_id=agent.agent_id, at=agent.lease_expires_at.isoformat()))
             agent.status = Agent.Status.ONLINE

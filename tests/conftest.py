@@ -261,8 +261,8 @@ def published(row, when: datetime) -> None:
 
 def acked(row, when: datetime) -> None:
     """What the bridge records when the receiver's ACK for `row` arrives at `when`."""
-    from messages.models import Status
-    from messages.state import Change, changes_apply
+    from messages.models import Change, Status
+    from messages.state import changes_apply
 
     changes_apply([Change(pk=row.pk, to=Status.ACKED, actor="bridge", reason="ACK",
                           fields={"acked_at": when, "ack_deadline_at": None})], now=when)

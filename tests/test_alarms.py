@@ -20,8 +20,8 @@ from alarms import services as alarm_services
 from alarms.evaluate import alarms_evaluate
 from alarms.models import Alarm
 from alarms.services import alarm_acknowledge
-from messages.models import Direction, Message, Status
-from messages.state import Change, changes_apply, messages_insert_new
+from messages.models import Change, Direction, Message, Status
+from messages.state import changes_apply, messages_insert_new
 from reachconsole.core import roles
 from reachconsole.core.audit import AuditEntry
 from roster import services

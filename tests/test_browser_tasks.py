@@ -10,9 +10,9 @@ from django.contrib.auth.models import Permission
 from django.db import transaction
 from playwright.sync_api import expect
 
-from messages.models import Message, Status
+from messages.models import Change, Message, Status
 from messages.outbound import SendRequest, message_send
-from messages.state import Change, changes_apply
+from messages.state import changes_apply
 from reachconsole.core import roles
 from roster.models import Agent
 from tests.browser import chromium_page, htmx_ready, sign_in

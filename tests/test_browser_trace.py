@@ -11,9 +11,9 @@ from django.contrib.auth.models import Permission
 from django.db import transaction
 from playwright.sync_api import expect
 
-from messages.models import Message, Status
+from messages.models import Change, Message, Status
 from messages.outbound import SendRequest, message_send
-from messages.state import Change, changes_apply
+from messages.state import changes_apply
 from roster.models import Agent, RosterEvent
 from tests.browser import chromium_page, sign_in
 from tests.conftest import reader, register

@@ -45,8 +45,9 @@ def _ack_everything_published() -> None:
 
 
 def _publish_everything_due() -> None:
+    from messages.models import Change
     from messages.outbox import outbox_claim
-    from messages.state import Change, atomic_retrying, changes_apply
+    from messages.state import atomic_retrying, changes_apply
 
     rows = outbox_claim(limit=50)
     atomic_retrying(lambda: changes_apply(

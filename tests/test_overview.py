@@ -12,9 +12,9 @@ from django.utils import timezone
 
 from alarms.evaluate import alarms_evaluate
 from directory.coverage import capability_coverage
-from messages.models import Direction, Message, Status
+from messages.models import Change, Direction, Message, Status
 from messages.rollups import rollups_fold
-from messages.state import Change, changes_apply, messages_insert_new
+from messages.state import changes_apply, messages_insert_new
 from messages.stats import message_stats
 from reachconsole.charts import bar_chart, line_chart
 from roster import services

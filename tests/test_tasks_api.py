@@ -9,9 +9,9 @@ import pytest
 
 from messages import protocol
 from messages.inbound import Incoming, messages_ingest
-from messages.models import Direction, Message, Status, Task, Transition
+from messages.models import Change, Direction, Message, Status, Task, Transition
 from messages.outbound import SendRequest, message_send, messages_send_group
-from messages.state import Change, changes_apply
+from messages.state import changes_apply
 from messages.sweeps import deliveries_sweep
 from reachconsole.core.models import AuditEntry
 from roster.models import Agent
