@@ -68,7 +68,7 @@ def seed(agents: int, aliases: int, rng: random.Random) -> tuple[list[str], list
     # Seeded behind the roster's services: tell readers the roster changed.
     from django.core.cache import cache
 
-    from roster.services import ROSTER_GENERATION_KEY
+    from roster.generation import ROSTER_GENERATION_KEY
 
     cache.delete(ROSTER_GENERATION_KEY)
     return ids, [a.alias for a in alias_rows], segments

@@ -21,8 +21,8 @@ from directory import errors
 from directory.errors import AliasNotFound, AliasTaken, InvalidAlias
 from directory.models import Alias, alias_normalize
 from reachconsole.core.audit import audit_record
+from roster.ids import agent_id_parse
 from roster.models import Agent, Namespace
-from roster.services import agent_id_parse
 
 ALIAS_MAX = Alias._meta.get_field("alias").max_length
 

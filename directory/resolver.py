@@ -38,6 +38,7 @@ from directory.models import (
     SceneBinding,
     alias_normalize,
 )
+from roster.generation import roster_generation
 from roster.hearing import bus_hearing
 from roster.models import (
     CONSOLE_AGENTS,
@@ -47,7 +48,6 @@ from roster.models import (
     lapse_cutoff,
     stale_cutoff,
 )
-from roster.services import roster_generation
 
 log = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ from reachconsole.core.errors import ApiError
 from reachconsole.core.idle import db_then_idle
 from reachconsole.core.moments import utc_moment
 from roster.fields import AGENT_ID_INPUT_PATTERN, NAME, AgentIdInput, NodeId
+from roster.ids import agent_id_parse
 from roster.models import NAME_RE
-from roster.services import agent_id_parse
 
 router = Router(tags=["a2a"])
 ops_router = Router(tags=["ops"])

@@ -55,9 +55,9 @@ from messages.rows import (
 )
 from messages.state import atomic_retrying, changes_apply, messages_insert_new
 from roster.errors import RosterError
+from roster.ids import agent_id_parse
 from roster.models import NODE_ID_RE
 from roster.services import (
-    agent_id_parse,
     agents_drain_for_node,
     heartbeat_record,
     nodes_signature_refused,

@@ -34,7 +34,7 @@ from messages.state import atomic_retrying
 from reachconsole.core.audit import audit_record
 from reachconsole.core.errors import ConsoleError
 from reachconsole.core.metrics import counters_add
-from roster.services import agent_id_parse
+from roster.ids import agent_id_parse
 
 log = logging.getLogger(__name__)
 

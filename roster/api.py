@@ -12,7 +12,7 @@ from ninja import Field, Query, Router, Schema, Status
 from pydantic import model_validator
 
 from reachconsole.core.apidoc import BodyIn, JsonObject, json_int, refusals
-from roster import errors, services
+from roster import errors, ids, services
 from roster.errors import AgentNotFound, ConsoleAgent, NamespaceForbidden, NotOwner
 from roster.fields import (
     AgentId,
@@ -60,7 +60,7 @@ def identity_object_normalize(data: Any) -> Any:
     if not isinstance(namespace, str) or not namespace:
         raise ValueError("namespace must be a non-empty string (or leave it out and send "
                          "agentId as `namespace.name`)")
-    own, _ = services.agent_id_split(agent_id.strip())
+    own, _ = ids.agent_id_split(agent_id.strip())
     if not own:
         data["agentId"] = f"{namespace}.{agent_id}"
     elif own != namespace:
@@ -188,7 +188,7 @@ def _lease_out(lease: services.Lease) -> dict[str, Any]:
 def _existing_agent(request: HttpRequest, agent_id: str, *, action: str = "") -> Agent:
     """The agent named in the path, after the caller's namespace and actor are checked; with
     an `action` (a change), also that it is not one of the console's own agents."""
-    ref = services.agent_id_parse(agent_id)
+    ref = ids.agent_id_parse(agent_id)
     request.auth.require_namespace(ref.namespace)
     agent = Agent.objects.select_related("node", "namespace").filter(agent_id=ref.agent_id).first()
     if agent is None:
@@ -219,7 +219,7 @@ _AGENT_LINKS = {
              by_alias=True,
              openapi_extra={"responses": {200: _AGENT_LINKS, 201: _AGENT_LINKS}})
 def register(request: HttpRequest, body: RegisterIn):
-    ref = services.agent_id_parse(body.agent_id)
+    ref = ids.agent_id_parse(body.agent_id)
     request.auth.require_namespace(ref.namespace)
     request.auth.require_owner(body.owner)
     if ref.agent_id in CONSOLE_AGENTS:

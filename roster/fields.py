@@ -16,14 +16,14 @@ from pydantic import BeforeValidator, Field
 from reachconsole.core.apidoc import json_int
 from roster import errors
 from roster.errors import InvalidField
-from roster.models import NAME_RE, NAMESPACE_RE, NODE_ID_RE
-from roster.services import (
+from roster.ids import (
     AGENT_ID_MAX_LENGTH,
     MAX_INFLIGHT_RANGE,
     MAX_LABELS,
     agent_id_parse,
     node_id_check,
 )
+from roster.models import NAME_RE, NAMESPACE_RE, NODE_ID_RE
 
 
 def _inner(regex) -> str:

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.core.cache import cache
 from django.db import IntegrityError, connection, connections, transaction
 from django.db.models import Case, F, Value, When
 from django.utils import timezone
@@ -28,21 +26,24 @@ from django.utils import timezone
 from reachconsole.core.audit import audit_record
 from roster import errors
 from roster.errors import (
-    AGENT_ID_HELP,
     AgentHeldElsewhere,
     AgentNotFound,
     ConsoleAgent,
-    InvalidAgentId,
     InvalidField,
     NodeNotFound,
     NotOwner,
     WrongNode,
 )
+from roster.generation import roster_changed
 from roster.hearing import bus_hearing
+from roster.ids import (
+    MAX_INFLIGHT_RANGE,
+    MAX_LABELS,
+    agent_id_parse,
+    node_id_check,
+)
 from roster.models import (
     NAME_RE,
-    NAMESPACE_RE,
-    NODE_ID_RE,
     Agent,
     ClusterNode,
     Consistency,
@@ -55,19 +56,6 @@ from roster.models import RosterEvent as Event
 log = logging.getLogger(__name__)
 
 CAPABILITY_RE = NAME_RE
-MAX_LABELS = 64
-MAX_INFLIGHT_RANGE = (1, 100_000)
-AGENT_ID_MAX_LENGTH = Agent._meta.get_field("agent_id").max_length
-
-
-@dataclass(frozen=True, slots=True)
-class AgentRef:
-    namespace: str
-    name: str
-
-    @property
-    def agent_id(self) -> str:
-        return f"{self.namespace}.{self.name}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,31 +69,6 @@ class Lease:
     @property
     def expires_at(self) -> datetime:
         return self.agent.lease_expires_at
-
-
-def agent_id_split(text: str) -> tuple[str, str]:
-    """`fin.tax` or `fin/tax` → ("fin", "tax"), unchecked; ("", text) without a separator.
-    A `/` wins over dots, which a name may hold (`fin/tax.v2`)."""
-    namespace, separator, name = text.partition("/" if "/" in text else ".")
-    return (namespace, name) if separator else ("", text)
-
-
-def agent_id_parse(raw: Any) -> AgentRef:
-    """`fin.tax` or `fin/tax` → AgentRef; anything else raises InvalidAgentId."""
-    if not isinstance(raw, str) or not raw.strip():
-        raise InvalidAgentId(errors.AGENT_ID_MISSING.format(help=AGENT_ID_HELP))
-    text = raw.strip()
-    namespace, name = agent_id_split(text)
-    if (not NAMESPACE_RE.fullmatch(namespace) or not name or not NAME_RE.fullmatch(name)
-            or len(text) > AGENT_ID_MAX_LENGTH):
-        raise InvalidAgentId(errors.AGENT_ID_INVALID.format(raw=raw[:100], help=AGENT_ID_HELP))
-    return AgentRef(namespace=namespace, name=name)
-
-
-def node_id_check(raw: Any, *, field: str = "nodeId") -> str:
-    if not isinstance(raw, str) or not NODE_ID_RE.fullmatch(raw):
-        raise InvalidField(errors.NODE_ID_INVALID.format(field=field, raw=str(raw)[:100]))
-    return raw
 
 
 def _labels_check(values: Any, *, field: str, prefix: str = "") -> list[str]:
@@ -185,30 +148,6 @@ def _node_get_or_create(node_id: str, url: str = "") -> ClusterNode:
     return node
 
 
-ROSTER_GENERATION_KEY = "roster-generation"
-
-
-def roster_generation() -> str:
-    """Changes whenever an agent joins or leaves the roster: readers that keep a copy of the
-    set of agent ids (the directory's substring index) compare it instead of counting rows."""
-    generation = cache.get(ROSTER_GENERATION_KEY)
-    if generation is None:
-        generation = uuid.uuid4().hex
-        if not cache.add(ROSTER_GENERATION_KEY, generation, timeout=None):
-            generation = cache.get(ROSTER_GENERATION_KEY) or generation
-    return generation
-
-
-def _roster_changed() -> None:
-    # Now, for readers in this transaction, and again after commit, for everyone else: a
-    # reader that copied the set between the two copies it again.
-    def bump() -> None:
-        cache.set(ROSTER_GENERATION_KEY, uuid.uuid4().hex, timeout=None)
-
-    bump()
-    transaction.on_commit(bump)
-
-
 def agent_register(
     *,
     agent_id: Any,
@@ -283,7 +222,7 @@ def agent_register(
                     agent_id=agent.agent_id, node_id=node_id, kind=Event.Kind.REGISTERED,
                     actor=actor, at=now,
                 )
-                _roster_changed()
+                roster_changed()
                 return _lease(agent, created=True)
 
             if acting_for and agent.owner and agent.owner != acting_for:
@@ -540,7 +479,7 @@ def agent_deregister(*, agent_id: str, actor: str = "", now: datetime | None = N
         agent = _agent_for_update(agent_id)
         node_id = agent.node.node_id
         agent.delete()
-        _roster_changed()
+        roster_changed()
         Event.objects.create(
             agent_id=agent.agent_id, node_id=node_id, kind=Event.Kind.DEREGISTERED,
             actor=actor, at=now,
@@ -607,7 +546,7 @@ def _batches_run(*, now: datetime, batch: int, max_batches: int) -> tuple[int, i
             due, seen, batch_offline, batch_removed = sweep(now=now, batch=batch)
         offline, removed = offline + batch_offline, removed + batch_removed
         if batch_removed:
-            _roster_changed()
+            roster_changed()
         if due < batch or not seen:  # all done, or the rest is held by others right now
             break
     return offline, removed

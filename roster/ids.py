@@ -1,0 +1,53 @@
+"""The roster's identifiers, parsed and checked: pure functions, no database and no write.
+
+Everything that names an agent or a node (the APIs, the bridge's DRAIN, aliases, sends) reads
+it through these, so one rule (roster/models.py's expressions) decides what a valid id is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from roster import errors
+from roster.errors import AGENT_ID_HELP, InvalidAgentId, InvalidField
+from roster.models import NAME_RE, NAMESPACE_RE, NODE_ID_RE, Agent
+
+MAX_LABELS = 64
+MAX_INFLIGHT_RANGE = (1, 100_000)
+AGENT_ID_MAX_LENGTH = Agent._meta.get_field("agent_id").max_length
+
+
+@dataclass(frozen=True, slots=True)
+class AgentRef:
+    namespace: str
+    name: str
+
+    @property
+    def agent_id(self) -> str:
+        return f"{self.namespace}.{self.name}"
+
+
+def agent_id_split(text: str) -> tuple[str, str]:
+    """`fin.tax` or `fin/tax` → ("fin", "tax"), unchecked; ("", text) without a separator.
+    A `/` wins over dots, which a name may hold (`fin/tax.v2`)."""
+    namespace, separator, name = text.partition("/" if "/" in text else ".")
+    return (namespace, name) if separator else ("", text)
+
+
+def agent_id_parse(raw: Any) -> AgentRef:
+    """`fin.tax` or `fin/tax` → AgentRef; anything else raises InvalidAgentId."""
+    if not isinstance(raw, str) or not raw.strip():
+        raise InvalidAgentId(errors.AGENT_ID_MISSING.format(help=AGENT_ID_HELP))
+    text = raw.strip()
+    namespace, name = agent_id_split(text)
+    if (not NAMESPACE_RE.fullmatch(namespace) or not name or not NAME_RE.fullmatch(name)
+            or len(text) > AGENT_ID_MAX_LENGTH):
+        raise InvalidAgentId(errors.AGENT_ID_INVALID.format(raw=raw[:100], help=AGENT_ID_HELP))
+    return AgentRef(namespace=namespace, name=name)
+
+
+def node_id_check(raw: Any, *, field: str = "nodeId") -> str:
+    if not isinstance(raw, str) or not NODE_ID_RE.fullmatch(raw):
+        raise InvalidField(errors.NODE_ID_INVALID.format(field=field, raw=str(raw)[:100]))
+    return raw
