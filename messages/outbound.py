@@ -166,14 +166,14 @@ def messages_send(*, requests: list[SendRequest], actor: str = "api", by: str = 
                 raise
             refused.append((request, exc))
     storm: list[tuple[Message, SendRefused]] = []
-    rows = atomic_retrying(lambda: _send_and_publish(
+    rows = atomic_retrying(lambda: _send_and_wake(
         prepared, actor=actor, by=by, now=now, refused=storm if skip_refused else None))
     refused += [(SendRequest(to=row.to_agent_id, task_id=row.task_id), exc)
                 for row, exc in storm]
     return Sent(rows=rows, refused=refused)
 
 
-def _send_and_publish(prepared: list[tuple[Message, Resolution]], *, actor: str, by: str,
+def _send_and_wake(prepared: list[tuple[Message, Resolution]], *, actor: str, by: str,
                       now: datetime, refused: list | None = None) -> list[Message]:
     """Inside a transaction: write and route the rows; events and the bridges' wake-up leave
     after commit."""
@@ -334,7 +334,7 @@ def messages_send_group(*, group: str, request: SendRequest, actor: str = "api",
                           "candidates": candidates}
         prepared.append((row, Resolution(member.agent_id, member.node_id, "group", "member",
                                          [member])))
-    return atomic_retrying(lambda: _send_and_publish(prepared, actor=actor, by=by, now=now))
+    return atomic_retrying(lambda: _send_and_wake(prepared, actor=actor, by=by, now=now))
 
 
 @dataclass

@@ -49,11 +49,6 @@ class NamespaceForbidden(RosterError):
     status = 403
 
 
-class ActorMismatch(RosterError):
-    code = "actor_mismatch"
-    status = 403
-
-
 class NotOwner(RosterError):
     code = "not_owner"
     status = 403

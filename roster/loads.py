@@ -28,7 +28,7 @@ def kept_counts_register(reader: KeptCounts) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class AgentLoad:
+class LoadFigures:
     inflight: int  # sent by the console, not yet answered (ACK, NACK, BUSY)
     held: int  # kept back by the console behind maxInflight
     executing: int  # acknowledged and running, as the node last reported
@@ -49,11 +49,11 @@ class AgentLoad:
         return round(self.ratio * 100)
 
 
-def agents_load(agents: Iterable) -> dict[str, AgentLoad]:
+def agents_load(agents: Iterable) -> dict[str, LoadFigures]:
     """The load of each of these agents (roster Agent rows), one query for all of them."""
     agents = list(agents)
     kept = _kept([a.agent_id for a in agents]) if _kept and agents else {}
-    return {a.agent_id: AgentLoad(inflight=kept.get(a.agent_id, (0, 0))[0],
+    return {a.agent_id: LoadFigures(inflight=kept.get(a.agent_id, (0, 0))[0],
                                   held=kept.get(a.agent_id, (0, 0))[1],
                                   executing=a.inflight, queue_depth=a.queue_depth,
                                   max_inflight=a.max_inflight) for a in agents}

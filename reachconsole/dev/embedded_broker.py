@@ -37,12 +37,6 @@ _NOISY_LOGGERS = ("amqtt", "transitions")
 
 _PROBE_TIMEOUT = 0.5
 
-# amqtt 0.12 implements MQTT 3.1.1 only. Exported so the bridge can pick MQTTv311 up front: an
-# MQTT 5 CONNECT carrying properties (e.g. session expiry) is misparsed and never answered, so
-# "try v5, fall back on refusal" would stall until the client's keepalive timeout instead.
-SUPPORTS_MQTT5 = False
-
-
 class BrokerPortInUse(RuntimeError):
     """The embedded broker's port is already taken by another process."""
 
