@@ -138,11 +138,11 @@ async def send(request: HttpRequest, body: SendIn):
     # Waiting holds no connection and no thread (messages/waits.py): each read gives both
     # back before the wait goes on.
     status, out = await db_then_idle(_send, request.auth, body)
-    if out.get("status") == "LOCAL_CONSUMED":
+    if out.get("status") == TaskState.LOCAL_CONSUMED:
         # A console agent answered in-process: its response is stored already.
         outcome = await db_then_idle(_task_outcome, out["messageId"])
         return Status(*outcome) if outcome else Status(200, out)
-    if out.get("status") != "SENT":
+    if out.get("status") != TaskState.SENT:
         return Status(status, out)
     timeout_s = ((body.timeout_ms or 30000) + WAIT_MARGIN_MS) / 1000
     outcome = await answer_waits.wait(
@@ -180,16 +180,16 @@ def _send(caller, body: SendIn) -> tuple[int, dict]:
     # A SendRefused is a ConsoleError: the API root answers it with its status and words.
     if to.startswith("#"):
         rows = messages_send_group(group=to, request=send_request, by=caller.label)
-        fanned_out = rows[0].status != "UNDELIVERABLE"
+        fanned_out = rows[0].status != TaskState.UNDELIVERABLE
         out = {"taskId": rows[0].task_id,
-               "status": "FANNED_OUT" if fanned_out else "UNDELIVERABLE",
+               "status": "FANNED_OUT" if fanned_out else TaskState.UNDELIVERABLE.value,
                "messages": [message_out(r) for r in rows],
                "candidates": (rows[0].resolution or {}).get("candidates", [])}
         return (202 if fanned_out else 200), out
     row = message_send(request=send_request, actor="api", by=caller.label)
     out = message_out(row)
     out["candidates"] = (row.resolution or {}).get("candidates", [])
-    return (202 if row.status == "SENT" else 200), out
+    return (202 if row.status == TaskState.SENT else 200), out
 
 
 
@@ -317,7 +317,7 @@ def resend(request: HttpRequest, message_id: str, body: ResendIn | None = None):
     if body.new_idempotency_key:
         out["warning"] = ("sent with a new idempotency key: the receiver will run the work "
                           "again even if it already ran it")
-    return Status(202 if any(r.status == "SENT" for r in rows) else 200, out)
+    return Status(202 if any(r.status == TaskState.SENT for r in rows) else 200, out)
 
 
 # --- tasks: the unit an operator acts on (PROTOCOL.md, "Tasks, numbers and alarms") -------

@@ -998,8 +998,8 @@ class Bridge:
             info = client.publish(topic, data, qos=1)
             if info.rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
                 # NO_CONN: paho keeps a QoS 1 message and sends it on reconnect.
-                self._pending[info.mid] = (row.pk, row.message_type == "TASK_REQUEST",
-                                           _response_waits_for(row))
+                request = row.message_type == protocol.MessageType.TASK_REQUEST
+                self._pending[info.mid] = (row.pk, request, _response_waits_for(row))
                 self.counts["published"] += 1
             else:
                 # QUEUE_SIZE and friends: not queued. The row stays SENT, due again shortly.

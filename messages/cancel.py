@@ -20,6 +20,7 @@ from messages.ledger import Ledger, task_key
 from messages.load import held_release, task_locks
 from messages.models import CANCELABLE_STATUSES, Change, Direction, Message, Status, Task
 from messages.outbox import outbox_wake
+from messages.protocol import MessageType
 from messages.rows import cancel_row
 from messages.state import atomic_retrying, changes_apply, messages_insert_new
 from messages.taskbook import within_namespaces
@@ -53,7 +54,8 @@ class Canceled:
 
 def _open_rows(task_id: str, member: str | None) -> list[Message]:
     rows = list(Message.objects.select_for_update()
-                .filter(task_id=task_id, direction=Direction.SEND, message_type="TASK_REQUEST",
+                .filter(task_id=task_id, direction=Direction.SEND,
+                        message_type=MessageType.TASK_REQUEST,
                         status__in=sorted(CANCELABLE_STATUSES)).order_by("id"))
     if member is not None:
         rows = [r for r in rows if task_key(r)[2] == member]

@@ -20,6 +20,7 @@ from django.conf import settings
 from django.db.models import Count
 
 from messages.models import Direction, Message, Status
+from messages.protocol import MessageType
 
 _rng = random.SystemRandom()
 
@@ -57,7 +58,7 @@ def transmissions_in_window(pairs: Iterable[tuple[str, str]], *, now: datetime) 
     since = now - timedelta(seconds=settings.REACH_TASK_WINDOW_S)
     rows = (Message.objects.filter(direction=Direction.SEND, created_at__gte=since,
                                    task_id__in={task for task, _ in pairs},
-                                   message_type="TASK_REQUEST")
+                                   message_type=MessageType.TASK_REQUEST)
             .values("task_id", "to_agent_id").annotate(n=Count("id")))
     return Counter({(r["task_id"], r["to_agent_id"]): r["n"] for r in rows
                     if (r["task_id"], r["to_agent_id"]) in pairs})

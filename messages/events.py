@@ -24,6 +24,7 @@ from django.core.cache import cache
 from django.db import transaction
 
 from messages.models import DONE_STATUSES, FAILURE_STATUSES, FINAL_STATUSES, Message
+from messages.protocol import MessageType
 from messages.rows import message_fields
 from messages.tally import events_count
 
@@ -72,7 +73,7 @@ def event_groups(event: dict[str, Any]) -> list[str]:
         scoped = session_group(event["sessionId"])
     else:
         scoped = SKILL_PROGRESS_GROUP
-    if (event.get("messageType") == "TASK_REQUEST" and event.get("status") in ENDS
+    if (event.get("messageType") == MessageType.TASK_REQUEST and event.get("status") in ENDS
             and event.get("event") == EVENT_MESSAGE):
         return [TIMELINE_GROUP, scoped, ANSWERS_GROUP]
     return [TIMELINE_GROUP, scoped]

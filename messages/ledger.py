@@ -34,10 +34,11 @@ from typing import ClassVar
 from django.conf import settings
 from django.db import connection
 
-from messages.models import ANSWERED_STATUSES, Direction, Rollup, Status, Task
+from messages.models import ANSWERED_STATUSES, RESPONDED_STATUSES, Direction, Rollup, Status, Task
+from messages.protocol import MessageType
 from reachconsole.core.metrics import LATENCY_BUCKETS_S
 
-TASK_REQUEST = "TASK_REQUEST"
+TASK_REQUEST = MessageType.TASK_REQUEST.value
 ALL, AGENT, NODE = "*", "a", "n"
 # Bucket widths: the console's own numbers at 15 s (the overview's charts), every scope's at
 # a minute and an hour (stats over 5 minutes to 24 hours read at most ~360 buckets a key).
@@ -99,7 +100,8 @@ def task_key(row) -> tuple[str, str, str]:
 _SEND = Direction.SEND.value
 _LOCAL_CONSUMED = Status.LOCAL_CONSUMED.value
 _ACKED = Status.ACKED.value
-_ANSWERS = frozenset({Status.COMPLETED.value, Status.TASK_ERROR.value})
+# Plain strings on the path every row takes (an Enum member's lookup costs more).
+_ANSWERS = frozenset(s.value for s in RESPONDED_STATUSES)
 _COUNTED_PLAIN = frozenset(str(s) for s in COUNTED) - {_LOCAL_CONSUMED}
 
 
@@ -233,7 +235,7 @@ class Ledger:
             request = row.message_type == TASK_REQUEST
             if numbers:
                 duplicate = False
-                if row.message_type == "ACK":
+                if row.message_type == MessageType.ACK:
                     payload = getattr(row, "wire_payload", None) or row.payload
                     duplicate = isinstance(payload, dict) and payload.get("duplicate") is True
                 held = bool(row.held) and not rebuilt

@@ -33,7 +33,7 @@ from django.db.models.functions import Greatest
 
 from directory.resolver import resolve_agent_node
 from messages.models import INFLIGHT_STATUSES, AgentLoad, Change, Direction, Message, Status
-from messages.protocol import inbox_topic
+from messages.protocol import MessageType, inbox_topic
 from roster.models import Agent
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ INFLIGHT, HELD = "inflight", "held"
 
 def slot_of(row) -> str | None:
     """Which count a message row is in: a task request of ours that is held, or in flight."""
-    if row.direction != Direction.SEND or row.message_type != "TASK_REQUEST":
+    if row.direction != Direction.SEND or row.message_type != MessageType.TASK_REQUEST:
         return None
     if row.status == Status.SENT and row.held:
         return HELD
@@ -171,7 +171,7 @@ def held_release(*, agent_ids: Iterable[str], now: datetime) -> tuple[list[int],
         # waited for while this one holds the load row (the lock order above).
         held = (Message.objects.select_for_update(skip_locked=True)
                 .filter(direction=Direction.SEND, to_agent_id=agent_id, held=True,
-                        message_type="TASK_REQUEST", status=Status.SENT)
+                        message_type=MessageType.TASK_REQUEST, status=Status.SENT)
                 .exclude(deadline_at__lte=now)  # messages/sweeps.py ends those
                 .order_by("created_at", "id"))
         # Held work was accepted for this agent: a drain lets it finish there (only new work
@@ -240,13 +240,13 @@ def loads_reconcile() -> int:
     """
     with transaction.atomic():
         active = set(Message.objects.filter(
-            direction=Direction.SEND, message_type="TASK_REQUEST",
+            direction=Direction.SEND, message_type=MessageType.TASK_REQUEST,
             status__in=list(INFLIGHT_STATUSES)).values_list("to_agent_id", flat=True).distinct())
         kept = set(AgentLoad.objects.filter(Q(inflight__gt=0) | Q(held__gt=0))
                    .values_list("agent_id", flat=True))
         capacities = loads_lock(active | kept)
         counts = {row["to_agent_id"]: row for row in Message.objects.filter(
-            direction=Direction.SEND, message_type="TASK_REQUEST",
+            direction=Direction.SEND, message_type=MessageType.TASK_REQUEST,
             to_agent_id__in=list(capacities.loads), status__in=list(INFLIGHT_STATUSES))
             .values("to_agent_id").annotate(
                 inflight=Count("id", filter=~Q(held=True, status=Status.SENT)),

@@ -92,6 +92,16 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 
 
 
+# The order in which one batch applies its changes, as the state machine runs: when a batch
+# holds a request's ACK and its response, the ACK is applied first and the record keeps both.
+APPLY_ORDER: dict[str, int] = {
+    Status.PUBLISHED: 0, Status.ACKED: 1, Status.NACKED: 2, Status.BUSY: 2, Status.RETRYING: 3,
+    Status.COMPLETED: 4, Status.TASK_ERROR: 4,
+}
+# A response arrived: the work was done (or reported its own failure), by a node.
+RESPONDED_STATUSES = frozenset({Status.COMPLETED, Status.TASK_ERROR})
+
+
 @dataclass(frozen=True, slots=True)
 class Heard:
     """Where an answer came from: its headers.originNodeId ("" when absent), the node whose

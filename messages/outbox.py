@@ -28,6 +28,7 @@ from django.db import connection, connections, transaction
 from django.utils import timezone
 
 from messages.models import Direction, Message, Status
+from messages.protocol import MessageType
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +122,9 @@ def outbox_release_responses(*, request_ids: list[str], now: datetime) -> int:
     if not request_ids:
         return 0
     return Message.objects.filter(
-        in_reply_to__in=request_ids, message_type="TASK_RESPONSE", direction=Direction.SEND,
-        status=Status.SENT, publish_at__isnull=True).update(publish_at=now)
+        in_reply_to__in=request_ids, message_type=MessageType.TASK_RESPONSE,
+        direction=Direction.SEND, status=Status.SENT,
+        publish_at__isnull=True).update(publish_at=now)
 
 
 class OutboxListener:

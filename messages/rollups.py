@@ -32,6 +32,7 @@ from messages.ledger import (
     status_metric,
 )
 from messages.models import Rollup, Status
+from messages.protocol import MessageType
 from reachconsole.core.errors import ConsoleError
 from reachconsole.core.metrics import LATENCY_BUCKETS_S
 
@@ -390,7 +391,8 @@ def rollups_rebuild(*, since: datetime, until: datetime | None = None, chunk: in
         for step in STEPS_ALL:
             Rollup.objects.filter(step=step, bucket__gte=int(start.timestamp()) // step,
                                   bucket__lte=int(until.timestamp()) // step).delete()
-        duplicate = Case(When(Q(message_type="ACK", payload__duplicate=True), then=Value(True)),
+        duplicate = Case(When(Q(message_type=MessageType.ACK, payload__duplicate=True),
+                              then=Value(True)),
                          default=Value(False), output_field=BooleanField())
         rows = (Message.objects.filter(created_at__gte=start, created_at__lt=until)
                 .annotate(duplicate=duplicate).order_by("created_at", "id")

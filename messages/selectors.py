@@ -306,7 +306,7 @@ def messages_new_count(flt: MessageFilter, *, after: int, up_to: int,
 
 def resendable(qs: QuerySet[Message]) -> QuerySet[Message]:
     """The task requests of ours in `qs` that an operator may send again."""
-    return qs.filter(direction=Direction.SEND, message_type="TASK_REQUEST",
+    return qs.filter(direction=Direction.SEND, message_type=MessageType.TASK_REQUEST,
                      status__in=list(RESENDABLE_STATUSES))
 
 
@@ -324,7 +324,7 @@ def resendable_count(flt: MessageFilter, *, cap: int, up_to: int) -> int:
 
 
 def message_is_resendable(row: Message) -> bool:
-    return (row.direction == Direction.SEND and row.message_type == "TASK_REQUEST"
+    return (row.direction == Direction.SEND and row.message_type == MessageType.TASK_REQUEST
             and row.status in RESENDABLE_STATUSES)
 
 
@@ -344,13 +344,13 @@ def message_replies(row: Message) -> QuerySet[Message]:
 def task_requests(task_id: str) -> list[Message]:
     """Our transmissions of one task, oldest first."""
     return list(Message.objects.filter(task_id=task_id, direction=Direction.SEND,
-                                       message_type="TASK_REQUEST")
+                                       message_type=MessageType.TASK_REQUEST)
                 .select_related("resend_of").order_by("created_at", "id"))
 
 
 def task_response(row: Message) -> Message | None:
     return Message.objects.filter(in_reply_to=row.message_id,
-                                  message_type="TASK_RESPONSE").first()
+                                  message_type=MessageType.TASK_RESPONSE).first()
 
 
 def open_counts() -> dict[str, int]:

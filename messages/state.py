@@ -24,6 +24,7 @@ from messages.ledger import Ledger
 from messages.load import Deltas, slot_of
 from messages.models import (
     ANSWERED_STATUSES,
+    APPLY_ORDER,
     TRANSITIONS,
     Change,
     Message,
@@ -31,6 +32,7 @@ from messages.models import (
     Transition,
 )
 from messages.outbox import outbox_wake
+from messages.protocol import MessageType
 from messages.rows import cancel_row
 from messages.tally import DeliveryTally
 
@@ -190,10 +192,6 @@ def _params(rows: list[Message], fields: list) -> list[tuple]:
     return out
 
 
-_ORDER = {"PUBLISHED": 0, "ACKED": 1, "NACKED": 2, "BUSY": 2, "RETRYING": 3, "COMPLETED": 4,
-          "TASK_ERROR": 4}
-
-
 @dataclass
 class Applied:
     messages: list[Message] = field(default_factory=list)
@@ -236,8 +234,10 @@ def changes_apply(changes: Iterable[Change], *, now: datetime,
     transitions: list[Transition] = []
     # In the order of the state machine: when one batch holds a request's ACK and its
     # response, the ACK is applied first and the record keeps both.
-    for (to, allowed, field_names), group in sorted(groups.items(),
-                                                    key=lambda item: _ORDER.get(item[0][0], 9)):
+    def order(item) -> int:
+        return APPLY_ORDER.get(item[0][0], 9)
+
+    for (to, allowed, field_names), group in sorted(groups.items(), key=order):
         by_id: dict[str, list[Change]] = defaultdict(list)
         for c in group:
             if c.message_id is not None:
@@ -355,7 +355,7 @@ def late_pubacks_record(*, pks: list[int], now: datetime) -> None:
         tell = {}
         for r in canceled:
             r.published_at = now
-            if r.message_type == "TASK_REQUEST" and r.target_node_id:
+            if r.message_type == MessageType.TASK_REQUEST and r.target_node_id:
                 tell.setdefault((r.task_id, r.target_node_id), cancel_row(request=r, now=now))
         sent = messages_insert_new(list(tell.values()), ledger=ledger)
         ledger.write()

@@ -26,6 +26,7 @@ from messages.load import held_release, loads_to_release, task_locks
 from messages.models import OPEN_STATUSES, Change, Direction, Message, Status, Task, Transition
 from messages.outbound import RETRY_STORM, message_next_attempt
 from messages.outbox import outbox_wake
+from messages.protocol import MessageType
 from messages.state import atomic_retrying, changes_apply
 from roster.hearing import bus_hearing
 
@@ -61,7 +62,7 @@ def _overdue(now: datetime, result: SweepResult) -> list[dict]:
     rows = list(
         Message.objects.select_for_update(skip_locked=True)
         .filter(status=Status.PUBLISHED, ack_deadline_at__lt=min(now, through),
-                direction=Direction.SEND, message_type="TASK_REQUEST")
+                direction=Direction.SEND, message_type=MessageType.TASK_REQUEST)
         .order_by("ack_deadline_at")[:SWEEP_BATCH]
     )
     changes = []
@@ -139,7 +140,7 @@ def _deadline_words(row: Message) -> tuple[str, str]:
         if row.status == Status.ACKED:
             return Status.EXPIRED, f"acknowledged on the bus, no response seen {within}"
         return Status.EXPIRED, f"no answer seen on the bus {within}"
-    if row.message_type != "TASK_REQUEST":
+    if row.message_type != MessageType.TASK_REQUEST:
         return Status.FAILED, (f"the MQTT broker did not take this {row.message_type} {within}"
                                ": the console could not publish it (broker unreachable?)")
     if row.status == Status.SENT and row.held:
@@ -164,7 +165,7 @@ def _past_deadline(now: datetime, result: SweepResult) -> list[dict]:
     # An answer of ours is done once it left SENT (the receiver may ACK it before our
     # PUBACK is recorded): it only leaves the deadline index.
     Message.objects.filter(deadline_at__lt=now, status__in=list(OPEN_STATUSES - {Status.SENT})
-                           ).exclude(message_type="TASK_REQUEST").update(deadline_at=None)
+                           ).exclude(message_type=MessageType.TASK_REQUEST).update(deadline_at=None)
     through = _heard_through(now)
     due = (Message.objects.select_for_update(skip_locked=True)
            .filter(status__in=[*OPEN_STATUSES, Status.OBSERVED], deadline_at__lt=now)

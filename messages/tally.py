@@ -18,11 +18,12 @@ from collections import Counter
 from django.db import transaction
 
 from messages.models import ANSWERED_STATUSES, Direction, Status
+from messages.protocol import MessageType
 from reachconsole.core.metrics import counters_add_later, delivery_add_later, histogram_counts
 
 EVENT_MESSAGE = "a2a_message"  # messages.events.EVENT_MESSAGE (which imports this module)
 LATENCY = "delivery_latency"
-TASK_REQUEST = "TASK_REQUEST"
+TASK_REQUEST = MessageType.TASK_REQUEST.value
 
 
 def events_count(events: list[dict]) -> None:

@@ -22,6 +22,7 @@ from django.views.decorators.vary import vary_on_headers
 from messages.cancel import BULK_CANCEL_MAX, task_cancel, tasks_cancel_bulk
 from messages.models import CANCELABLE_STATUSES, Direction, Message, Status, Task
 from messages.page_params import export_chunks, filter_form, page_cursor, streamed
+from messages.protocol import MessageType
 from messages.selectors import SINCE_PRESETS, FilterError, MessageFilter
 from messages.taskbook import (
     cancelable_tasks,
@@ -129,7 +130,7 @@ def task_export(request: HttpRequest, kind: str) -> HttpResponse:
 def open_rows(task_id: str) -> list[Message]:
     """What a cancel of this task would end, and where each is (the confirmation's words)."""
     return list(Message.objects.filter(task_id=task_id, direction=Direction.SEND,
-                                       message_type="TASK_REQUEST",
+                                       message_type=MessageType.TASK_REQUEST,
                                        status__in=sorted(CANCELABLE_STATUSES))
                 .only("message_id", "status", "held", "target_node_id", "to_agent_id",
                       "attempt", "published_at").order_by("id")[:50])

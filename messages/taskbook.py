@@ -17,6 +17,7 @@ from django.db.models import Q, QuerySet
 
 from messages.ledger import task_key
 from messages.models import CANCELABLE_STATUSES, Direction, Message, Task
+from messages.protocol import MessageType
 from messages.selectors import (
     MessageFilter,
     MessagePage,
@@ -144,9 +145,9 @@ def task_story(task: Task) -> TaskStory:
     rows = rows[:TASK_MESSAGES_MAX]
     key = (task.direction, task.task_id, task.member)
     requests = {r.message_id for r in rows
-                if r.message_type == "TASK_REQUEST" and task_key(r) == key}
+                if r.message_type == MessageType.TASK_REQUEST and task_key(r) == key}
     mine = [r for r in rows if r.message_id in requests or r.in_reply_to in requests
-            or (r.message_type == "CANCEL" and task.direction == Direction.SEND
+            or (r.message_type == MessageType.CANCEL and task.direction == Direction.SEND
                 and r.direction == Direction.SEND
                 and (not task.member or r.to_agent_id == task.member))]
     return TaskStory(task=task, messages=mine, more=more)

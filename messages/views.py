@@ -314,7 +314,7 @@ def agent_load(request: HttpRequest, agent_id: str) -> HttpResponse:
     what an operator reads before draining it."""
     agent = get_object_or_404(Agent.objects.select_related("node"), agent_id=agent_id)
     sends = Message.objects.filter(direction=Direction.SEND, to_agent_id=agent_id,
-                                   message_type="TASK_REQUEST")
+                                   message_type=MessageType.TASK_REQUEST)
     now = timezone.now()
     # In flight and held are the kept counts (messages/load.py), the same numbers the roster
     # page, backpressure and capability routing use: one definition (roster/loads.py).
