@@ -991,7 +991,8 @@ class Bridge:
             try:
                 data = row_encode(row)
             except (ValueError, TypeError) as exc:
-                failed.append(Puback(pk=row.pk, request=False, at=now, not_sent=str(exc)))
+                failed.append(Puback(pk=row.pk, request=False, at=now,
+                                     not_sent=str(exc) or type(exc).__name__))
                 released += filter(None, [_response_waits_for(row)])
                 continue
             topic = row.topic or protocol.inbox_topic(self.prefix, row.target_node_id)

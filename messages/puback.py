@@ -12,10 +12,11 @@ the outbox cannot depend on the status machine.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db import transaction
+from django.db import DatabaseError, transaction
 
 from messages.delivery import ack_deadline
 from messages.events import events_on_commit
@@ -23,6 +24,7 @@ from messages.models import Change, Status
 from messages.outbox import outbox_release_responses
 from messages.state import changes_apply, late_pubacks_record
 
+log = logging.getLogger(__name__)
 _SENT = frozenset({Status.SENT})
 
 
@@ -88,5 +90,11 @@ def pubacks_apply(*, pubacks: list[Puback], release: list[str], now: datetime) -
     result.skipped = applied.skipped
     taken = [a.pk for a in pubacks if not a.refused]
     if taken and applied.skipped:
-        late_pubacks_record(pks=taken, now=now)
+        # Its own transaction, after the one above committed: a failure here is logged, not
+        # raised, so that a caller's retry does not redo (and misreport) what is recorded.
+        try:
+            late_pubacks_record(pks=taken, now=now)
+        except DatabaseError as exc:
+            log.warning("could not record when the broker took %d messages: %s",
+                        len(taken), exc)
     return result

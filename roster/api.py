@@ -168,7 +168,7 @@ def _agent_out(agent: Agent, now: datetime) -> dict[str, Any]:
         "node_id": agent.node.node_id, "version": agent.version,
         "capabilities": agent.capabilities, "groups": agent.groups, "endpoint": agent.endpoint,
         "owner": agent.owner, "max_inflight": agent.max_inflight, "metadata": agent.metadata,
-        "status": agent.status, "stale": agent.is_stale(hearing=bus_hearing(now=now), now=now),
+        "status": agent.status, "stale": agent.is_stale(hearing=bus_hearing(now=now)),
         "inflight": agent.inflight,
         "queue_depth": agent.queue_depth, "lease_expires_at": agent.lease_expires_at,
         "last_heartbeat_at": agent.last_heartbeat_at, "registered_at": agent.registered_at,

@@ -190,7 +190,7 @@ class Agent(models.Model):
     def lease_remaining(self, now: datetime | None = None) -> timedelta:
         return self.lease_expires_at - (now or timezone.now())
 
-    def is_stale(self, *, hearing, now: datetime | None = None) -> bool:
+    def is_stale(self, *, hearing) -> bool:
         """Missed two heartbeats in a row while its lease still runs (an early warning), or
         on a node reconciliation found STALE: what the directory calls STALE and routes no
         work to (directory/resolver.py). Read with its node (select_related). `hearing`: the
@@ -199,7 +199,6 @@ class Agent(models.Model):
             return False
         if self.node.consistency == Consistency.STALE:
             return True
-        now = now or timezone.now()
         cutoff = stale_cutoff(hearing)
         return cutoff is not None and (self.last_heartbeat_at or self.registered_at) < cutoff
 

@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.contrib.auth.models import User
+from django.urls import reverse
+from django.utils import timezone
 
 from reachconsole.core.audit import AuditEntry
 from roster import services
@@ -38,6 +42,17 @@ def test_it_shows_counts_and_agents(viewer):
     assert r.status_code == 200
     assert 'data-count="online">1<' in html and 'data-count="draining">1<' in html
     assert 'data-agent="fin.tax"' in html and 'data-agent="llm.chat"' in html
+
+
+def test_the_agent_page_says_stale_when_the_agent_missed_its_heartbeats(viewer, settings):
+    settings.REACH_HEARTBEAT_MS = 1000
+    now = timezone.now()
+    register("fin.tax", "node-a", now=now - timedelta(seconds=30))
+    register("fin.fresh", "node-a", now=now)
+    page = logged_in(viewer)
+    stale = page.get(reverse("roster:agent", args=["fin.tax"])).content.decode()
+    fresh = page.get(reverse("roster:agent", args=["fin.fresh"])).content.decode()
+    assert 'id="agent-stale"' in stale and 'id="agent-stale"' not in fresh
 
 
 def test_it_filters_by_url_parameters(viewer):

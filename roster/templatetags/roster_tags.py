@@ -27,4 +27,4 @@ def seconds_since(moment: datetime | None, now: datetime) -> str:
 
 @register.simple_tag
 def is_stale(agent, now: datetime) -> bool:
-    return agent.is_stale(hearing=bus_hearing(now=now), now=now)
+    return agent.is_stale(hearing=bus_hearing(now=now))
