@@ -66,10 +66,13 @@ RESENDABLE_STATUSES = frozenset(
 # messages.state.changes_apply refuses anything else; a caller may only narrow it.
 # An answer also stops a retry that was only scheduled, and corrects a FAILED that only
 # meant "the broker seemed not to take it"; a response completes any attempt, even one that
-# had given up waiting: the work was done, and the record says so.
+# had given up waiting (EXPIRED) or whose retry could not be made (UNDELIVERABLE, "attempt 2
+# not made"): the work was done, and the record says so. Only the node the request went to
+# can answer it (Message.answer_refusal), so a row never published gets no response.
 _ANSWERED_FROM = frozenset({Status.SENT, Status.PUBLISHED, Status.OBSERVED, Status.RETRYING,
                             Status.FAILED})
-_COMPLETED_FROM = _ANSWERED_FROM | {Status.ACKED, Status.RETRIED, Status.EXPIRED}
+_COMPLETED_FROM = _ANSWERED_FROM | {Status.ACKED, Status.RETRIED, Status.EXPIRED,
+                                    Status.UNDELIVERABLE}
 TRANSITIONS: dict[str, frozenset[str]] = {
     Status.PUBLISHED: frozenset({Status.SENT}),  # the broker's PUBACK
     Status.ACKED: _ANSWERED_FROM,

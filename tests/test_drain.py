@@ -124,6 +124,37 @@ def test_once_the_lease_lapses_what_is_left_ends_undeliverable_with_words(now):
                                  "fin.tax is on the roster")
 
 
+def test_an_answer_to_an_attempt_that_was_not_retried_completes_it_after_all(now):
+    """The node ran attempt 1 and its answer came after the console had given the retry up
+    ("attempt 2 not made"): the work was done, and the record says so."""
+    from messages import protocol
+    from messages.inbound import Incoming, messages_ingest
+    from messages.models import Task
+
+    register("fin.tax", "node-b", now=now)
+    first = message_send(request=SendRequest(to="fin.tax", timeout_ms=600_000), now=now)
+    published(first, now)
+    services.agent_deregister(agent_id="fin.tax", actor="ops", now=now)
+    late = now + timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS + 1)
+    deliveries_sweep(now=late)  # no ACK in time: a retry is due, and finds no agent
+    deliveries_sweep(now=Message.objects.get(pk=first.pk).next_attempt_at)
+    first.refresh_from_db()
+    assert first.status == Status.UNDELIVERABLE and "attempt 2 not made" in first.error
+
+    answer = protocol.new_envelope(
+        message_type=protocol.MessageType.TASK_RESPONSE, from_agent_id="fin.tax",
+        to_agent_id=first.from_agent_id, task_id=first.task_id,
+        headers={"inReplyTo": first.message_id, "originNodeId": "node-b",
+                 "replyNodeId": "node-b"}, payload={"ok": True, "result": 42})
+    messages_ingest(batch=[Incoming(protocol.inbox_topic(settings.MQTT_TOPIC_PREFIX,
+                                                         settings.REACH_NODE_ID),
+                                    protocol.encode(answer))],
+                    node_id=settings.REACH_NODE_ID, prefix=settings.MQTT_TOPIC_PREFIX)
+    first.refresh_from_db()
+    assert first.status == Status.COMPLETED and first.error == ""
+    assert Task.objects.get(task_id=first.task_id).status == Status.COMPLETED
+
+
 def test_undrain_takes_new_work_again_with_its_history_and_audit(now):
     register("fin.tax", "node-b", now=now)
     services.agent_drain(agent_id="fin.tax", actor="olga", now=now)
