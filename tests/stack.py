@@ -9,6 +9,9 @@ process logs to a file in the stack's temporary directory; `tail()` shows the en
 Faults: `kill(name, sig)`, `start(name)` and `restart_service(name, down_s)` for `postgres`
 (pg_ctl stop -m fast / start), `redis`, `mosquitto` (SIGTERM: it saves its persistence) and
 `worker` (kill -9 of its whole process group, as a container kill does, then a fresh start).
+`supervise("worker")` runs the worker under supervisord with deploy/supervisord.conf's own
+`[program:worker]`, and `kill_supervised("worker")` kills its main process with -9 and lets
+supervisord start the next one, as a deployment does.
 `stall_service("mosquitto" | "postgres", stall_s)` stops the console's connections to the
 broker or the database from moving without closing them: the console's processes reach
 Mosquitto and PostgreSQL through stall proxies (tests/stallproxy.py), while tests and
@@ -188,6 +191,7 @@ class Stack:
         self.run_dir = self.tmp / "run-0"
         self.runs = 0
         self.procs: dict[str, subprocess.Popen] = {}
+        self.supervised: set[str] = set()  # run under supervisord (supervise()) this run
         # The console's own ways to the broker and to PostgreSQL, which a stall fault holds
         # (see the docstring).
         self.mqtt_proxy = StallProxy(target_host=HOST, target_port=self.mqtt_port)
@@ -419,6 +423,9 @@ class Stack:
             )
 
     def _app_argv(self, name: str) -> list[str]:
+        if name in self.supervised:
+            return [str(Path(sys.executable).parent / "supervisord"), "-c",
+                    str(self._supervisord_conf(name))]
         if name == "daphne":
             return [self.bins["daphne"], "-b", HOST, "-p", str(self.http_port),
                     "reachconsole.asgi:application"]
@@ -466,9 +473,13 @@ class Stack:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
-        # Whatever the leader left behind in its group (a pool child) goes too.
+        # Whatever the leader left behind in its group (a pool child) goes too, and in its
+        # session: supervisord puts each program in a process group of its own.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+        for pid in _session_members(proc.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         self._close_log(name)
 
     # --- public: lifecycle ---------------------------------------------------------------------
@@ -497,6 +508,7 @@ class Stack:
         """A clean console on the running services; returns the new topic prefix."""
         for name in reversed(APP_PROCESSES):
             self._terminate(name)
+        self.supervised.clear()
         self._forget_mqtt_sessions()
         import redis
 
@@ -631,6 +643,75 @@ class Stack:
             start_at = time.time()
             conn.rollback()
         return {"down_at": down_at, "stopped_at": down_at, "start_at": start_at,
+                "up_at": time.time()}
+
+    def _supervisord_conf(self, name: str) -> Path:
+        """deploy/supervisord.conf with only `name`'s program, its paths made this
+        checkout's and this stack's; the program's command and restart policy unchanged."""
+        import configparser
+
+        text = (ROOT / "deploy" / "supervisord.conf").read_text()
+        run = self.tmp / "sv"
+        run.mkdir(exist_ok=True)
+        for old, new in (("/srv/reachconsole/.venv/bin/", f"{Path(sys.executable).parent}/"),
+                         ("/srv/reachconsole", str(ROOT)), ("/run/reachconsole", str(run))):
+            if old not in text:
+                raise StackError(f"deploy/supervisord.conf no longer contains {old!r}")
+            text = text.replace(old, new)
+        conf = configparser.RawConfigParser(inline_comment_prefixes=(";", "#"),
+                                            comment_prefixes=(";", "#"), strict=True)
+        conf.optionxform = str
+        conf.read_string(text)
+        for section in conf.sections():
+            if section.startswith("program:") and section != f"program:{name}":
+                conf.remove_section(section)
+        if not conf.has_section(f"program:{name}"):
+            raise StackError(f"deploy/supervisord.conf has no [program:{name}]")
+        path = run / f"{name}.conf"
+        with path.open("w") as handle:
+            conf.write(handle)
+        return path
+
+    def supervise(self, name: str = "worker") -> None:
+        """From now until the next run, `name` runs under supervisord as deploy/ has it
+        (its output still goes to `name`'s log)."""
+        self._terminate(name)
+        self.supervised.add(name)
+        self._start_app(name)
+        self.wait_ready()
+
+    def supervised_pid(self, name: str) -> int | None:
+        """The pid of the program supervisord runs as `name` (its direct child)."""
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return None
+        try:
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        except OSError:
+            return None
+        alive = {pid for pid, _ in _live_processes()}
+        return next((int(p) for p in children if int(p) in alive), None)
+
+    def kill_supervised(self, name: str = "worker") -> dict[str, float]:
+        """kill -9 of the supervised program's main process (what the OOM killer does), and
+        supervisord alone brings it back. The same times as restart_service; `up_at` is
+        when the new process says it is ready."""
+        if name not in self.supervised:
+            raise StackError(f"{name} is not supervised: call supervise({name!r}) first")
+        old = _wait(lambda: self.supervised_pid(name), 30, f"supervisord runs no {name}")
+        offset = self.log_path(name).stat().st_size
+        down_at = time.time()
+        os.kill(old, signal.SIGKILL)
+        _wait(lambda: old not in {pid for pid, _ in _live_processes()}, 10,
+              f"{name} (pid {old}) did not die")
+        stopped_at = time.time()
+        new = _wait(lambda: (pid := self.supervised_pid(name)) not in (None, old) and pid,
+                    60, f"supervisord did not start {name} again")
+        start_at = time.time()
+        ready = " ready." if name == "worker" else ""
+        _wait(lambda: ready in self.log_text(name, {name: offset}), 90,
+              f"{name} (pid {new}) did not say it is ready")
+        return {"down_at": down_at, "stopped_at": stopped_at, "start_at": start_at,
                 "up_at": time.time()}
 
     def _assert_down(self, name: str) -> None:

@@ -84,10 +84,14 @@ READ_BOUND_S = 10 + 2 * QUERY_BOUND_S + 2
 KEEPALIVE_S = 5
 
 # fault id → (the service the fault hits, namespace of this fault's agents, how: "restart"
-# takes it down and back, "stall" holds the console's connections to it open and still,
-# "snapshot" holds a REPEATABLE READ transaction open on its database)
+# takes it down and back, "supervised" kills it and leaves the restart to supervisord,
+# "stall" holds the console's connections to it open and still, "snapshot" holds a
+# REPEATABLE READ transaction open on its database)
 FAULTS = {
     "worker-kill": ("worker", "fworker", "restart"),
+    # The worker under supervisord as deploy/ runs it: its main process killed with -9, and
+    # supervisord, not the test, starts the next one.
+    "worker-kill-supervised": ("worker", "fsuper", "supervised"),
     "redis-restart": ("redis", "fredis", "restart"),
     "postgres-restart": ("postgres", "fpostgres", "restart"),
     "broker-restart": ("mosquitto", "fbroker", "restart"),
@@ -639,6 +643,8 @@ def test_fault_run(stack: Stack, fault: str):
     service, namespace, how = FAULTS[fault]
     started = time.monotonic()
     prefix = stack.clean_run()
+    if how == "supervised":
+        stack.supervise(service)
     offsets = stack.log_offsets()
     agents = [f"{namespace}.{name}" for name in AGENT_NAMES]
     node = FakeNode(base_url=stack.base_url, token=stack.token, mqtt_host=HOST,
@@ -663,6 +669,8 @@ def test_fault_run(stack: Stack, fault: str):
             fault_times = stack.stall_service(service, stall_s=STALL_SECONDS[service])
         elif how == "snapshot":
             fault_times = stack.hold_snapshot(SNAPSHOT_S)
+        elif how == "supervised":
+            fault_times = stack.kill_supervised(service)
         else:
             fault_times = stack.restart_service(service, down_s=DOWN_S)
         sender.join(timeout=len(tasks) * 2)
