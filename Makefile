@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-ci lint bench venv clean
+.PHONY: run test test-ci lint bench soak venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
+
+# One hour in production shape with a fault every ten minutes (bench/soak.py, docs/soak.md).
+soak: $(STAMP)
+	$(BIN)/python bench/soak.py --minutes 60
 
 clean:
 	rm -rf $(VENV) .run
