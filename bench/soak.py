@@ -249,6 +249,36 @@ def _proc_numbers(pid: int) -> tuple[int, int, int]:
     return rss, fds, threads
 
 
+def _socket_owners(members: dict[str, list[int]]) -> dict[int, str]:
+    """Local TCP port → the process (daphne, worker, beat) whose socket it is: from each
+    process's descriptors and the kernel's socket tables."""
+    owner_of_inode: dict[str, str] = {}
+    for name, pids in members.items():
+        for pid in pids:
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    owner_of_inode[link[8:-1]] = name
+    ports: dict[int, str] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[9] in owner_of_inode:
+                ports[int(fields[1].rsplit(":", 1)[1], 16)] = owner_of_inode[fields[9]]
+    return ports
+
+
 class Sampler(threading.Thread):
     def __init__(self, stack: Stack):
         super().__init__(name="soak-sampler", daemon=True)
@@ -259,14 +289,15 @@ class Sampler(threading.Thread):
 
     def one(self) -> dict:
         sample: dict = {"t": round(time.time() - self.started, 1)}
+        members: dict[str, list[int]] = {}
         for name in PROCESSES:
             proc = self.stack.procs.get(name)
             if proc is None or proc.poll() is not None:
                 sample[name] = None
                 continue
-            members = _session_members(proc.pid)
-            numbers = [_proc_numbers(pid) for pid in members]
-            sample[name] = {"pid": proc.pid, "processes": len(members),
+            members[name] = _session_members(proc.pid)
+            numbers = [_proc_numbers(pid) for pid in members[name]]
+            sample[name] = {"pid": proc.pid, "processes": len(members[name]),
                             "rss_kb": sum(n[0] for n in numbers),
                             "fds": sum(n[1] for n in numbers),
                             "threads": sum(n[2] for n in numbers)}
@@ -283,6 +314,14 @@ class Sampler(threading.Thread):
 
             client = redis.Redis(host=HOST, port=self.stack.redis_port, socket_timeout=2)
             sample["redis_clients"] = client.info("clients")["connected_clients"] - 1
+            # Whose they are: a count that grows says which process to look at.
+            owners = _socket_owners(members)
+            by: Counter = Counter()
+            for c in client.client_list():
+                port = int(str(c.get("addr", ":0")).rsplit(":", 1)[1])
+                by[owners.get(port, "other")] += 1
+            by["other"] -= 1  # this sampler's own
+            sample["redis_by_process"] = dict(by)
             client.close()
         except Exception:
             sample["redis_clients"] = None
@@ -457,6 +496,11 @@ def main(argv: list[str] | None = None) -> int:
         "threads": {name: lives(samples, name, "threads") for name in PROCESSES},
         "pg_connections": growth(samples, "pg_connections"),
         "redis_clients": growth(samples, "redis_clients"),
+        "redis_by_process": {"at_1min": next((s["redis_by_process"] for s in samples
+                                              if s["t"] >= 60 and s.get("redis_by_process")),
+                                             None),
+                             "last": next((s["redis_by_process"] for s in reversed(samples)
+                                           if s.get("redis_by_process")), None)},
         "samples": samples,
     }
     node.stop()
@@ -498,6 +542,8 @@ def print_report(r: dict) -> None:
               + ", ".join(str(x["base_mb"]) for x in m["runs"]) + " | "
               + ", ".join(f"{x['min_pct']:+.1f} … {x['max_pct']:+.1f} %" for x in m["runs"])
               + f" | {counts(r['fds'][name])} | {counts(r['threads'][name])} |")
+    print(f"redis clients by process: at 1 min {r['redis_by_process']['at_1min']}, "
+          f"last {r['redis_by_process']['last']}")
     for key in ("pg_connections", "redis_clients"):
         g = r[key]
         print(f"{key}: at 1 min {g.get('at_1min')}, last {g.get('last')}, largest "
