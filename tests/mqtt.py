@@ -3,6 +3,7 @@ the embedded broker on a free port. Each test gets its own topic prefix."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import uuid
@@ -21,6 +22,18 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: all held open together while they are chosen. One free_port()
+    after another may return the same port twice (each is closed before the next bind)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(n):
+            sock = held.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+        return ports
 
 
 class BrokerInfo:

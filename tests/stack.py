@@ -49,7 +49,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import expect_real_services
-from tests.mqtt import free_port
+from tests.mqtt import free_ports
 from tests.stallproxy import StallProxy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -181,8 +181,9 @@ class Stack:
         self.pg_sock = self.pg_dir / "sock"
         self.mqtt_dir = self.tmp / "mosquitto"
         self.redis_dir = self.tmp / "redis"
-        self.pg_port, self.redis_port = free_port(), free_port()
-        self.mqtt_port, self.http_port = free_port(), free_port()
+        # Chosen together, so no two are the same (each is only free until bound).
+        (self.pg_port, self.redis_port, self.mqtt_port, self.http_port, mqtt_proxy_port,
+         pg_proxy_port) = free_ports(6)
         self.token = f"fault-run-{secrets.token_hex(12)}"
         self.secret_key = secrets.token_urlsafe(50)
         self.extra_env = dict(extra_env or {})
@@ -194,8 +195,10 @@ class Stack:
         self.supervised: set[str] = set()  # run under supervisord (supervise()) this run
         # The console's own ways to the broker and to PostgreSQL, which a stall fault holds
         # (see the docstring).
-        self.mqtt_proxy = StallProxy(target_host=HOST, target_port=self.mqtt_port)
-        self.pg_proxy = StallProxy(target_host=HOST, target_port=self.pg_port)
+        self.mqtt_proxy = StallProxy(target_host=HOST, target_port=self.mqtt_port,
+                                     port=mqtt_proxy_port)
+        self.pg_proxy = StallProxy(target_host=HOST, target_port=self.pg_port,
+                                   port=pg_proxy_port)
         self._log_files: dict[str, object] = {}
         self._lock = threading.RLock()
         self._stopped = False
