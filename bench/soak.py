@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sockets", type=int, default=10)
     ap.add_argument("--faults", default=",".join(FAULT_ORDER),
                     help="the faults, in turn (comma-separated; default: all six)")
+    ap.add_argument("--ingest", choices=("auto", "shared", "single"), default="auto",
+                    help="REACH_BRIDGE_INGEST of the stack's worker (README: single keeps "
+                         "observed traffic across a Mosquitto restart)")
     return ap.parse_args(argv)
 
 
@@ -404,11 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     # A stopped soak stops its stack too (atexit in tests/stack.py).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     stack = Stack(extra_env={"MQTT_KEEPALIVE_S": str(runs.KEEPALIVE_S),
-                             "REACH_DB_QUERY_BOUND_S": str(runs.QUERY_BOUND_S)})
+                             "REACH_DB_QUERY_BOUND_S": str(runs.QUERY_BOUND_S),
+                             "REACH_BRIDGE_INGEST": args.ingest})
     stack.start()
     prefix = stack.clean_run()
     print(f"soak: console on {stack.base_url}, prefix {prefix}, {args.minutes:g} min, "
-          f"a fault every {args.fault_every:g} s", flush=True)
+          f"a fault every {args.fault_every:g} s, ingest {args.ingest}", flush=True)
     agents = [f"soak.{name}" for name in runs.AGENT_NAMES]
     node = FakeNode(base_url=stack.base_url, token=stack.token, mqtt_host=HOST,
                     mqtt_port=stack.mqtt_port, prefix=prefix, node_id=runs.NODE_ID,
@@ -455,15 +459,13 @@ def main(argv: list[str] | None = None) -> int:
         while time.monotonic() - started < args.minutes * 60:
             time.sleep(1)
     finally:
-        sender_done = sender.progress
-        # The sender stops where it is: the tasks it did not reach are not counted.
-        del tasks[max(sender_done, 0) + 1:]
-        sender.tasks = tasks
+        # The sender stops after the task under way: those it did not reach are not counted.
+        sender.stop.set()
         observed.finish()
         sender.join(runs.CLIENT_RETRY_BUDGET_S + 20)
         sampler.stop.set()
 
-    sent_tasks = [t for t in tasks if t.outcome != "pending"]
+    sent_tasks = [t for t in tasks[:sender.progress] if t.outcome != "pending"]
     rows = runs.wait_final(stack, [t.task_id for t in sent_tasks])
     outcome = runs.classify(sent_tasks, rows, node)
     quiet = time.time()

@@ -529,6 +529,14 @@ class Bridge:
                             self.client_id)
             return
         held = lock.hold()
+        if not held and lock.unreachable:
+            # The database is away: nobody stores anything now, and nobody can be known to
+            # hold the lock. Standing by would unsubscribe, and what the other nodes publish
+            # meanwhile would match no subscriber and be gone (observed traffic at every
+            # PostgreSQL restart). Subscribed, this bridge leaves it unacknowledged with the
+            # broker until it can store it; the first answer from the database decides (and
+            # a bridge that finds the lock taken then stands by, its duplicates idempotent).
+            return
         first = not self._lock_asked
         self._lock_asked = True
         if held == self._ingesting and not first:

@@ -43,6 +43,9 @@ class IngestLock:
         self.key = lock_key(name)
         self.alias = alias
         self._conn = None  # psycopg connection holding the lock; None when not held
+        # Why the last hold() could not ask the database ("" when it answered): then nobody
+        # can be known to hold the lock, this bridge included.
+        self.unreachable = ""
         self.vendor = connections[alias].vendor
         self.what = ("none needed: SQLite runs one process" if self.vendor != "postgresql"
                      else f"PostgreSQL advisory lock {self.key}")
@@ -58,6 +61,7 @@ class IngestLock:
             return True
         import psycopg
 
+        self.unreachable = ""
         try:
             if self._conn is not None:
                 # A round trip proves the session (and so the lock) is still alive.
@@ -77,6 +81,7 @@ class IngestLock:
         except psycopg.Error as exc:
             if self._conn is not None:
                 log.warning("lost the ingest lock with its database connection: %s", exc)
+            self.unreachable = str(exc).strip() or type(exc).__name__
             self._drop()
             return False
 

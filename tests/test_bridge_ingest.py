@@ -5,6 +5,7 @@ everything on real services, are in tests/test_topology.py."""
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 
 import pytest
@@ -121,6 +122,37 @@ def test_one_bridge_at_a_time_holds_the_ingest_lock():
     finally:
         first.release()
         second.release()
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql",
+                    reason="the lock is PostgreSQL's; SQLite runs one process and always holds it")
+def test_a_database_outage_is_no_reason_to_stand_by():
+    """Single mode: a bridge that cannot reach the database keeps its inbound subscriptions
+    (standing by would unsubscribe, and the broker would drop what matched nobody); one
+    that reaches it and finds the lock taken stands by."""
+    from tests.mqtt import free_port
+
+    b = bridge(ingest="single")
+    b._ingest_mode_decide()
+    lock = b._ingest_lock = IngestLock(name=f"outage-{b.client_id}")
+    other = IngestLock(name=f"outage-{b.client_id}")
+    real = lock._params
+    try:
+        b.connected.set()
+        b._lock_asked, b._ingesting = True, True
+        dead = free_port()  # nothing listens there: a database that is away
+        lock._params = lambda: {**real(), "port": dead}
+        b._ingest_lock_turn(time.monotonic() + 10)
+        assert lock.unreachable and b._ingesting, "it stood by during the outage"
+
+        lock._params = real
+        assert other.hold()  # the database is back, and another bridge took the lock first
+        b._next_lock_try = 0.0
+        b._ingest_lock_turn(time.monotonic() + 20)
+        assert not lock.unreachable and not b._ingesting
+    finally:
+        other.release()
+        lock.release()
 
 
 def test_the_chain_of_probes_breaks_on_a_missing_one_and_trusts_only_its_own():

@@ -67,6 +67,8 @@ FINAL = FAILED | {COMPLETED}
 # first, as healthy agents called stale or lapsed.
 HEARTBEAT_MS = int(os.environ.get("REACH_FAULT_HEARTBEAT_MS", "1000"))
 LEASE_TTL_MS = int(os.environ.get("REACH_FAULT_LEASE_TTL_MS", "3000"))
+# The worker's REACH_BRIDGE_INGEST (README, "Sharing the inbound load between bridges").
+INGEST = os.environ.get("REACH_FAULT_INGEST", "auto")
 BROKER_STALL_S = float(os.environ.get("REACH_FAULT_BROKER_STALL_S", "10"))
 DB_STALL_S = float(os.environ.get("REACH_FAULT_DB_STALL_S", "5"))
 SNAPSHOT_S = float(os.environ.get("REACH_FAULT_SNAPSHOT_S", "90"))
@@ -193,6 +195,7 @@ class Sender(threading.Thread):
         self.progress = 0
         self.reached: dict[int, threading.Event] = {}
         self.error: BaseException | None = None
+        self.stop = threading.Event()  # set: no task after the one under way
 
     def when_sent(self, count: int) -> threading.Event:
         return self.reached.setdefault(count, threading.Event())
@@ -202,8 +205,8 @@ class Sender(threading.Thread):
             next_at = time.monotonic()
             for sent in self.tasks:
                 pause = next_at - time.monotonic()
-                if pause > 0:
-                    time.sleep(pause)
+                if self.stop.wait(max(pause, 0)):
+                    break
                 next_at = max(next_at + 1 / RATE, time.monotonic() - 1 / RATE)
                 send_task(self.stack, sent, {"n": sent.index, "fault": self.fault})
                 self.progress += 1
@@ -631,7 +634,8 @@ def stack_fixture():
     running = stack_or_skip(extra_env={"REACH_HEARTBEAT_MS": str(HEARTBEAT_MS),
                                        "REACH_LEASE_TTL_MS": str(LEASE_TTL_MS),
                                        "MQTT_KEEPALIVE_S": str(KEEPALIVE_S),
-                                       "REACH_DB_QUERY_BOUND_S": str(QUERY_BOUND_S)})
+                                       "REACH_DB_QUERY_BOUND_S": str(QUERY_BOUND_S),
+                                       "REACH_BRIDGE_INGEST": INGEST})
     try:
         yield running
     finally:
