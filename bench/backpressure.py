@@ -1,4 +1,4 @@
-"""Backpressure under load: kept in-flight/held counts (messages/load.py), no hot lock.
+"""Backpressure under load: kept in-flight/held counts (messages/backpressure.py), no hot lock.
 
 The goal (from the issue): while 8 clients send 1,500 tasks to one agent (maxInflight 4, a
 node that answers at once), completions keep at least half the pace they reach once the sends
@@ -425,7 +425,7 @@ class Sweeper:
         from django.conf import settings
         from django.db import close_old_connections, connection
 
-        from messages.load import loads_reconcile
+        from messages.backpressure import loads_reconcile
         from messages.sweeps import deliveries_sweep
 
         next_reconcile = time.monotonic() + 30
@@ -874,8 +874,8 @@ def measure(args: argparse.Namespace, tag: str) -> int:
     from django.conf import settings
     from django.db import connection
 
+    from messages.backpressure import loads_reconcile
     from messages.bridge import Bridge
-    from messages.load import loads_reconcile
     from messages.models import AgentLoad
     from reachconsole.core.metrics import counters_snapshot
 

@@ -31,8 +31,8 @@ from messages.selectors import (
     FilterError,
     MessageFilter,
     message_replies,
+    send_chain,
     task_attempts,
-    task_requests,
     task_response,
 )
 from messages.taskbook import MAX_PAGE, task_entries, task_out, task_story, tasks_page
@@ -194,25 +194,11 @@ def _send(caller, body: SendIn) -> tuple[int, dict]:
 
 
 
-def _attempts(message_id: str) -> list[Message]:
-    """The transmissions of this send: the row itself and the retries and resends that
-    follow from it, not another caller's work that happens to use the same task id."""
-    root = Message.objects.filter(message_id=message_id).values_list("task_id", "pk").first()
-    if root is None:
-        return []
-    chain, ours = {root[1]}, []
-    for row in task_requests(root[0]):  # oldest first: a retry comes after what it retries
-        if row.pk in chain or row.resend_of_id in chain:
-            chain.add(row.pk)
-            ours.append(row)
-    return ours
-
-
 def _task_outcome(message_id: str) -> tuple[int, dict] | None:
     """The task's end once it has one: 200 with its response, or with how its last attempt
     ended; 202 when its own deadline ended it (EXPIRED), which is running out of time: the
     executor may have taken it and be working on it still."""
-    attempts = _attempts(message_id)
+    attempts = send_chain(message_id=message_id)
     answered = [m for m in attempts if m.status in DONE_STATUSES]
     if answered:
         row = answered[-1]
@@ -234,7 +220,7 @@ def _task_outcome(message_id: str) -> tuple[int, dict] | None:
 
 def _task_state(message_id: str) -> dict | None:
     """Where the task's latest transmission stands now, answered or not."""
-    attempts = _attempts(message_id)
+    attempts = send_chain(message_id=message_id)
     return message_out(attempts[-1]) if attempts else None
 
 

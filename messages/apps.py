@@ -10,7 +10,7 @@ class A2AConfig(AppConfig):
     def ready(self) -> None:
         # The roster shows the load the console routes by; it may not import this app, so
         # the reader is handed to it here (roster/loads.py).
-        from messages.load import loads_kept
+        from messages.backpressure import loads_kept
         from roster.loads import kept_counts_register
 
         kept_counts_register(loads_kept)

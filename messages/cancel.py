@@ -3,7 +3,7 @@ the console's own task ends CANCELED with the reason and who asked; nothing more
 for it; the nodes that may already have it are told with a CANCEL message; a late answer is
 recorded on its own row and reopens nothing (CANCELED is in no answer's TRANSITIONS).
 
-Lock order (messages/load.py): the task's advisory lock, its message rows, then the agents'
+Lock order (messages/backpressure.py): the task's advisory lock, its message rows, then the agents'
 load rows (changes_apply), then the outbox rows this inserts.
 """
 
@@ -15,9 +15,9 @@ from datetime import datetime
 from django.utils import timezone
 
 from directory.routing import namespace_of
+from messages.backpressure import held_release, task_locks
 from messages.events import events_on_commit, message_events
 from messages.ledger import Ledger, task_key
-from messages.load import held_release, task_locks
 from messages.models import CANCELABLE_STATUSES, Change, Direction, Message, Status, Task
 from messages.outbox import outbox_wake
 from messages.protocol import MessageType

@@ -73,7 +73,7 @@ def storm_refusal(task_id: str, agent_id: str, sent: int) -> str | None:
             "Wait, or find out why the receiver does not acknowledge it")
 
 
-# --- backpressure (the counts: messages/load.py) ---------------------------------------------
+# --- backpressure (the counts: messages/backpressure.py) ------------------------------------
 def busy_reason(agent_id: str) -> str:
     return (f"{agent_id} already has {settings.REACH_QUEUE_LIMIT} messages held behind its "
             "maxInflight (REACH_QUEUE_LIMIT): BUSY, send elsewhere or later")

@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from directory.resolver import LOCAL_AGENTS
 from messages import protocol, signing
+from messages.rows import row_log_fields
 from roster.services import agent_register, heartbeat_record
 
 log = logging.getLogger(__name__)
@@ -39,15 +40,16 @@ class ConsoleAnswer:
     error: str  # the request's own words when the agent failed (its task ends TASK_ERROR)
 
 
-def console_agent_run(*, agent_id: str, payload: Any, log_extra: dict | None = None
-                      ) -> ConsoleAnswer:
+def console_agent_run(*, agent_id: str, payload: Any, request: Any) -> ConsoleAnswer:
     """Run one request to a console agent. A failure of the agent is the task's answer
-    (TASK_ERROR with the words), never the caller's exception."""
+    (TASK_ERROR with the words), never the caller's exception. `request`: the request's row,
+    whose ids the log line of a failure carries (built only then: this is the hot path of
+    every request to the console)."""
     try:
         return ConsoleAnswer(payload={"ok": True, "result": LOCAL_HANDLERS[agent_id](payload)},
                              error="")
     except Exception as exc:
-        log.exception("local handler %s failed", agent_id, extra=log_extra)
+        log.exception("local handler %s failed", agent_id, extra=row_log_fields(request))
         words = f"{type(exc).__name__}: {exc}"
         return ConsoleAnswer(payload={"ok": False, "error": words},
                              error=f"the task failed: {words}"[:2000])

@@ -32,6 +32,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from messages import protocol, signing
+from messages.backpressure import held_release
 from messages.delivery import retry_or_give_up
 from messages.events import events_on_commit, message_events
 from messages.handlers import LOCAL_HANDLERS, console_agent_run
@@ -42,7 +43,6 @@ from messages.idempotency import (
     idempotency_release,
 )
 from messages.ledger import Ledger
-from messages.load import held_release
 from messages.models import Change, Direction, Heard, Message, Status
 from messages.outbound import message_reroute
 from messages.redact import redacted
@@ -51,7 +51,6 @@ from messages.rows import (
     received_row,
     rejection_reply_row,
     reply_row,
-    row_log_fields,
 )
 from messages.state import atomic_retrying, changes_apply, messages_insert_new
 from roster.errors import RosterError
@@ -277,7 +276,7 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
             if refusals:
                 nodes_signature_refused(refused=refusals, now=now)
     # Before the batch, in transactions of their own: a DRAIN takes roster locks, which the
-    # batch must not take while it holds message rows (messages/load.py, the lock order).
+    # batch must not take while it holds message rows (messages/backpressure.py, the lock order).
     # Its answer is written by the batch, so it leaves only after the drain committed.
     drains = _drains_apply(rows, now=now, counts=counts)
     claims: list[tuple[str, str]] = []
@@ -289,7 +288,7 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
         raise
     for pk in result.busy:
         # Each in a transaction of its own, after the batch's: a new attempt takes its
-        # task's lock first (messages/load.py, the lock order), which a transaction already
+        # task's lock first (messages/backpressure.py, the lock order), which a transaction already
         # holding message and load rows must not wait for.
         atomic_retrying(lambda pk=pk: _reroute(pk, now=now, result=result))
     return result
@@ -313,7 +312,7 @@ def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result
         return
     counts = result.counts
     # The batch's tasks and numbers, written once at its end: task rows are locked after
-    # every message and load row the batch takes (messages/load.py, the lock order).
+    # every message and load row the batch takes (messages/backpressure.py, the lock order).
     ledger = Ledger()
     with transaction.atomic():
         duplicates, rows = _split_duplicates(rows, node_id=node_id, claims=claims)
@@ -584,8 +583,7 @@ def _request_to_console(row: ReceivedRow, acts: _Acts) -> None:
     now = acts.now
     ack = reply_row(to=row, message_type=MT.ACK, payload={}, now=now,
                     extra_headers={"ackFor": row.message_id})
-    answer = console_agent_run(agent_id=row.to_agent_id, payload=row.wire_payload,
-                               log_extra=row_log_fields(row))
+    answer = console_agent_run(agent_id=row.to_agent_id, payload=row.wire_payload, request=row)
     fields: dict = {"finished_at": now, **({"error": answer.error} if answer.error else {})}
     # Consumed here and only here: this row was just inserted, so no other path has it.
     acts.changes.append(Change(pk=row.pk, to=Status.LOCAL_CONSUMED,

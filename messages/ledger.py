@@ -15,7 +15,7 @@ A row is counted in the bucket it was created in, with the status it has now: a 
 one from its old status and adds one to its new one, in that same bucket (a request sent at
 10:01 and found EXPIRED at 10:02 is an EXPIRED of 10:01), as the overview always counted.
 
-Lock order (messages/load.py): rollup rows are only inserted, never updated by writers, so
+Lock order (messages/backpressure.py): rollup rows are only inserted, never updated by writers, so
 they take no lock; task rows are upserted last in their transaction, after every message and
 load row it takes, in key order (a transaction that moves rows in several steps, the
 bridge's batch or a cancel, hands one ledger to each step and writes it at its end).

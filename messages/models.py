@@ -287,7 +287,7 @@ class Transition(models.Model):
 class AgentLoad(models.Model):
     """What the console has in flight and held for one agent: kept, not recounted.
 
-    Changed in the same transaction as the message rows it counts (messages/load.py) and
+    Changed in the same transaction as the message rows it counts (messages/backpressure.py) and
     reconciled against them by a sweep, so a send or a release reads one row instead of
     counting an agent's messages under a lock.
     """

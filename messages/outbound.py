@@ -16,11 +16,11 @@ from django.utils import timezone
 from directory.resolver import Resolution, is_local_agent, resolve, resolve_agent_node
 from directory.routing import group_members, isolation_refusal, namespace_of, route_capability
 from messages import protocol
+from messages.backpressure import Capacities, loads_lock, loads_of, task_locks
 from messages.delivery import busy_reason, storm_refusal, transmissions_in_window
 from messages.events import events_on_commit, message_events
 from messages.handlers import console_agent_run
 from messages.ledger import Ledger, group_member_key
-from messages.load import Capacities, loads_lock, loads_of, task_locks
 from messages.models import (
     RESENDABLE_STATUSES,
     Direction,
@@ -234,7 +234,7 @@ def _send_prepared(prepared: list[tuple[Message, Resolution]], *, actor: str, by
     the primary keys now due in the outbox, and the events. A row the retry-storm guard
     refuses raises SendRefused, or with a `refused` list is left out and added to it."""
     # Counted under a lock per task: concurrent sends of one task queue here, so each sees
-    # the others' rows and the guard cannot be raced (messages/load.py: the lock order).
+    # the others' rows and the guard cannot be raced (messages/backpressure.py: the lock order).
     task_locks(row.task_id for row, res in prepared if res.ok and not res.local)
     prepared, storm = _storm_guard(prepared, now=now)
     for row, exc in storm:
@@ -445,7 +445,7 @@ def _move(row: Message, to: str, *, reason: str, actor: str, now: datetime,
 def _consume_locally(row: Message, *, now: datetime, actor: str, ledger: Ledger) -> list[dict]:
     """The console's own agents answer in-process: the request is consumed once, here."""
     row.target_node_id = settings.REACH_NODE_ID
-    answer = console_agent_run(agent_id=row.to_agent_id, payload=row.payload)
+    answer = console_agent_run(agent_id=row.to_agent_id, payload=row.payload, request=row)
     events = _move(row, Status.LOCAL_CONSUMED, reason="handled by the console", actor=actor,
                    now=now, finished_at=now, target_node_id=row.target_node_id,
                    error=answer.error)

@@ -83,7 +83,7 @@ def pubacks_apply(*, pubacks: list[Puback], release: list[str], now: datetime) -
         return result
     with transaction.atomic():
         # Before changes_apply, which may take agents' load rows: message rows first
-        # (messages/load.py, the lock order).
+        # (messages/backpressure.py, the lock order).
         result.released = outbox_release_responses(request_ids=release, now=now)
         applied = changes_apply(changes, now=now)
         events_on_commit(applied.events)

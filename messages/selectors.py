@@ -328,12 +328,32 @@ def message_is_resendable(row: Message) -> bool:
             and row.status in RESENDABLE_STATUSES)
 
 
-def task_attempts(row: Message) -> QuerySet[Message] | list[Message]:
-    """Every transmission of `row`'s task, in the order they were made."""
+def task_attempts(row: Message) -> QuerySet[Message]:
+    """Every transmission of `row`'s task (its task id, direction and message type), oldest
+    first: the attempts the trace page draws and the API's message detail lists, so the two
+    never disagree. A CANCEL or an answer is no attempt. For what one send made of itself
+    (its retries and resends, not another caller's work under the same task id), see
+    `send_chain`."""
     if not row.task_id:
-        return []
-    return (Message.objects.filter(task_id=row.task_id, direction=row.direction)
+        return Message.objects.none()
+    return (Message.objects.filter(task_id=row.task_id, direction=row.direction,
+                                   message_type=row.message_type)
             .order_by("created_at", "id"))
+
+
+def send_chain(*, message_id: str) -> list[Message]:
+    """The transmissions of one send, oldest first: the row itself and the retries and
+    resends that follow from it, not another caller's work that happens to use the same task
+    id. What `wait` and the send's outcome are decided by."""
+    root = Message.objects.filter(message_id=message_id).values_list("task_id", "pk").first()
+    if root is None:
+        return []
+    chain, ours = {root[1]}, []
+    for row in task_requests(root[0]):  # oldest first: a retry comes after what it retries
+        if row.pk in chain or row.resend_of_id in chain:
+            chain.add(row.pk)
+            ours.append(row)
+    return ours
 
 
 def message_replies(row: Message) -> QuerySet[Message]:
@@ -368,7 +388,7 @@ def open_counts() -> dict[str, int]:
 
 def load_totals() -> tuple[int, int]:
     """Task requests in flight and held, over all agents: the kept counts
-    (messages/load.py), one row per agent rather than one per message."""
+    (messages/backpressure.py), one row per agent rather than one per message."""
     totals = AgentLoad.objects.aggregate(inflight=Sum("inflight"), held=Sum("held"))
     return totals["inflight"] or 0, totals["held"] or 0
 
@@ -437,8 +457,7 @@ def task_trace(row: Message, *, now: datetime | None = None) -> TaskTrace:
     if row.task_id:
         # The newest ones, read by the task index with a limit: a peer that reuses one task
         # id for thousands of messages must not make every refresh of this page read them.
-        same = Message.objects.filter(task_id=row.task_id, direction=row.direction,
-                                      message_type=row.message_type)
+        same = task_attempts(row)
         newest = list(same.defer("payload").order_by("-created_at", "-id")
                       [:TRACE_MAX_ATTEMPTS + 1])
         if len(newest) > TRACE_MAX_ATTEMPTS:

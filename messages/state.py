@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 
 from django.db import OperationalError, connection, models, transaction
 
+from messages.backpressure import Deltas, slot_of
 from messages.events import events_on_commit, message_events, publisher
 from messages.ledger import Ledger
-from messages.load import Deltas, slot_of
 from messages.models import (
     ANSWERED_STATUSES,
     APPLY_ORDER,
@@ -210,7 +210,7 @@ def changes_apply(changes: Iterable[Change], *, now: datetime,
     never turns a COMPLETED request back into ACKED, and two workers never both act. An
     answer from the wrong node or on the wrong inbox is refused (`Applied.refused`), whatever
     the row's status: judged on the rows the locked read fetches anyway, at no query more. The
-    agents' kept in-flight and held counts move with the rows (messages/load.py), after the
+    agents' kept in-flight and held counts move with the rows (messages/backpressure.py), after the
     rows are locked: the lock order; then the tasks and numbers (messages/ledger.py), here or,
     with `ledger`, by the caller at the end of its transaction.
     """
@@ -296,7 +296,7 @@ def changes_apply(changes: Iterable[Change], *, now: datetime,
             Message.objects.bulk_update(rows, ["status", "updated_at", *field_names, *also])
     Transition.objects.bulk_create(transitions)
     deltas.write()
-    # After the load rows: the lock order (messages/load.py). A caller that goes on to lock
+    # After the load rows: the lock order (messages/backpressure.py). A caller that goes on to lock
     # more message rows passes its own ledger and writes it last.
     if ledger is None:
         kept.write()

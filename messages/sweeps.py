@@ -4,7 +4,7 @@ and no open row outlives its task's deadline.
 
 Every claim is `select_for_update(skip_locked=True)` plus a status-guarded change, so two
 sweepers running at once never send the same attempt; a sweeper killed mid-claim rolls back
-and the rows wait for the next sweep. Lock order: messages/load.py has it.
+and the rows wait for the next sweep. Lock order: messages/backpressure.py has it.
 
 The console does not blame an agent for its own deafness: while no bridge hears the bus, and
 for one ack timeout after one hears again (the broker is still delivering what queued up),
@@ -20,9 +20,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from messages.backpressure import held_release, loads_to_release, task_locks
 from messages.delivery import retry_or_give_up
 from messages.events import events_on_commit
-from messages.load import held_release, loads_to_release, task_locks
 from messages.models import OPEN_STATUSES, Change, Direction, Message, Status, Task, Transition
 from messages.outbound import RETRY_STORM, message_next_attempt
 from messages.outbox import outbox_wake
@@ -102,7 +102,7 @@ def _due_attempts(now: datetime) -> SweepResult:
 
 
 def _due(now: datetime, result: SweepResult, *, pk: int) -> list[dict]:
-    # The task's lock before its row: the order sends take (messages/load.py).
+    # The task's lock before its row: the order sends take (messages/backpressure.py).
     task_locks(Message.objects.filter(pk=pk).values_list("task_id", flat=True))
     rows = list(Message.objects.select_for_update(skip_locked=True)
                 .filter(pk=pk, status=Status.RETRYING, next_attempt_at__lte=now))

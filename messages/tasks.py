@@ -25,7 +25,7 @@ def messages_prune() -> int:
 
 @shared_task(name="messages.tasks.loads_reconcile", ignore_result=True)
 def loads_reconcile() -> int:
-    from messages.load import loads_reconcile as reconcile
+    from messages.backpressure import loads_reconcile as reconcile
 
     return reconcile()
 

@@ -316,7 +316,7 @@ def agent_load(request: HttpRequest, agent_id: str) -> HttpResponse:
     sends = Message.objects.filter(direction=Direction.SEND, to_agent_id=agent_id,
                                    message_type=MessageType.TASK_REQUEST)
     now = timezone.now()
-    # In flight and held are the kept counts (messages/load.py), the same numbers the roster
+    # In flight and held are the kept counts (messages/backpressure.py), the same numbers the roster
     # page, backpressure and capability routing use: one definition (roster/loads.py).
     load = agents_load([agent])[agent.agent_id]
     # Each read is bounded by an index range (a2a_agent_held_status: agent, held, status;

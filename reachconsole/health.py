@@ -112,6 +112,12 @@ def delivery_check() -> tuple[dict, float | None]:
     return check, rate.lowest
 
 
+# name, check, and the earlier check whose source it reads (the bridges' hearing is read from
+# the database): in that order.
+_READY_CHECKS = (("database", _check_database, ""), ("redis", _check_redis, ""),
+                 ("broker", broker_check, "database"))
+
+
 @require_GET
 @never_cache
 def readyz(request: HttpRequest) -> JsonResponse:
@@ -121,12 +127,11 @@ def readyz(request: HttpRequest) -> JsonResponse:
     lowest share answered in any second of the last ten, null without traffic)."""
     started = time.monotonic()
     checks = {}
-    for name, check in (("database", _check_database), ("redis", _check_redis),
-                        ("broker", broker_check)):
-        if name == "broker" and not checks["database"]["ok"]:
-            # The bridges' hearing is read from the database: asking it again would wait
-            # for a connection a second time (a stalled database: the pool's timeout again).
-            ok, detail = False, "cannot tell (the database does not answer)"
+    for name, check, reads in _READY_CHECKS:
+        if reads and not checks[reads]["ok"]:
+            # Asking again would wait for it a second time (a stalled database: the pool's
+            # timeout again), to learn nothing more.
+            ok, detail = False, f"cannot tell (the {reads} does not answer)"
         else:
             ok, detail = check()
         checks[name] = {"ok": ok, "detail": detail}

@@ -375,7 +375,7 @@ CELERY_BEAT_SCHEDULE = {
     "deliveries-sweep": {"task": "messages.tasks.deliveries_sweep",
                          "schedule": REACH_RETRY_SWEEP_S},
     "messages-prune": {"task": "messages.tasks.messages_prune", "schedule": 3600},
-    # The kept in-flight/held counts against the rows they count (messages/load.py).
+    # The kept in-flight/held counts against the rows they count (messages/backpressure.py).
     "loads-reconcile": {"task": "messages.tasks.loads_reconcile", "schedule": 30},
     "cluster-reconcile": {"task": "roster.tasks.cluster_reconcile",
                           "schedule": REACH_RECONCILE_TTL_S},

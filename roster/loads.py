@@ -3,7 +3,7 @@
 Two sources, one definition. The node reports in each heartbeat what the agent is executing
 (`Agent.inflight`, after it acknowledged the task) and its queue depth. What the console has
 sent the agent and not yet seen answered (in flight) or keeps back behind its maxInflight
-(held) is counted by the messages app (messages/load.py, the table `a2a_agent_load`). The
+(held) is counted by the messages app (messages/backpressure.py, the table `a2a_agent_load`). The
 roster does not import that app (the layers in pyproject.toml): the messages app registers
 its reader here when it starts (messages/apps.py). Capability routing adds the same three
 numbers (directory/routing.py), so the load shown is the load the directory chooses by.

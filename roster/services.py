@@ -6,7 +6,7 @@ asks for (drain, deregister) writes its audit row inside that transaction. Times
 arguments where a caller (a test, a sweep) needs to control them.
 
 Lock order in the roster: a cluster node, then agents in agent id order. No roster
-transaction takes a lock of the messages app (messages/load.py has the console-wide order).
+transaction takes a lock of the messages app (messages/backpressure.py has the console-wide order).
 """
 
 from __future__ import annotations

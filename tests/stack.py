@@ -80,6 +80,20 @@ class StackError(RuntimeError):
 
 
 # --- binaries -------------------------------------------------------------------------------
+def supervisord_conf_text(run_dir: Path, *, more: tuple[tuple[str, str], ...] = ()) -> str:
+    """deploy/supervisord.conf with this checkout, this virtualenv and `run_dir` for its
+    runtime directory (and `more` replacements); nothing else changes. Refuses a file that
+    no longer has what it replaces, so a test never runs something else than deploy/ has."""
+    text = (ROOT / "deploy" / "supervisord.conf").read_text()
+    for old, new in (("/srv/reachconsole/.venv/bin/", f"{Path(sys.executable).parent}/"),
+                     ("/srv/reachconsole", str(ROOT)), ("/run/reachconsole", str(run_dir)),
+                     *more):
+        if old not in text:
+            raise StackError(f"deploy/supervisord.conf no longer contains {old!r}")
+        text = text.replace(old, new)
+    return text
+
+
 def _pg_bindir() -> Path | None:
     def version(path: str) -> tuple[int, ...]:
         match = re.search(r"/postgresql/([\d.]+)/", path)
@@ -653,14 +667,9 @@ class Stack:
         checkout's and this stack's; the program's command and restart policy unchanged."""
         import configparser
 
-        text = (ROOT / "deploy" / "supervisord.conf").read_text()
         run = self.tmp / "sv"
         run.mkdir(exist_ok=True)
-        for old, new in (("/srv/reachconsole/.venv/bin/", f"{Path(sys.executable).parent}/"),
-                         ("/srv/reachconsole", str(ROOT)), ("/run/reachconsole", str(run))):
-            if old not in text:
-                raise StackError(f"deploy/supervisord.conf no longer contains {old!r}")
-            text = text.replace(old, new)
+        text = supervisord_conf_text(run)
         conf = configparser.RawConfigParser(inline_comment_prefixes=(";", "#"),
                                             comment_prefixes=(";", "#"), strict=True)
         conf.optionxform = str

@@ -11,10 +11,10 @@ from django.conf import settings
 from django.db import transaction
 
 from messages import protocol
+from messages.backpressure import loads_kept, loads_lock
 from messages.delivery import retry_delay_ms
 from messages.idempotency import idempotency_claim
 from messages.inbound import Incoming, messages_ingest
-from messages.load import loads_kept, loads_lock
 from messages.models import Direction, Message, Status
 from messages.outbound import SendRefused, SendRequest, message_send
 from messages.outbox import outbox_claim

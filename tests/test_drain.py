@@ -14,7 +14,7 @@ import pytest
 from django.conf import settings
 from django.test import Client
 
-from messages.load import loads_reconcile
+from messages.backpressure import loads_reconcile
 from messages.models import Message, Status
 from messages.outbound import SendRequest, message_send
 from messages.sweeps import deliveries_sweep

@@ -1,4 +1,4 @@
-"""One lock order (messages/load.py, roster/services.py): heartbeats, sends, answers, sweeps
+"""One lock order (messages/backpressure.py, roster/services.py): heartbeats, sends, answers, sweeps
 and deregistration of one agent, all at once, never deadlock. PostgreSQL counts every
 deadlock it breaks (pg_stat_database.deadlocks), whoever retried after it."""
 
@@ -11,8 +11,8 @@ import pytest
 from django.db import connection
 
 from messages import protocol
+from messages.backpressure import loads_reconcile
 from messages.inbound import Incoming, messages_ingest
-from messages.load import loads_reconcile
 from messages.models import AgentLoad, Direction, Message, Status
 from messages.outbound import SendRequest, message_send
 from messages.sweeps import deliveries_sweep

@@ -161,3 +161,26 @@ def test_rows_an_earlier_version_wrote_at_every_width_are_counted_once(now):
     rollups_fold(now=now)
     assert rollup_totals(scope=AGENT, step=3600, first=hour, last=hour)["fin.tax"][
         "tasks"] == 2
+
+
+@pytest.mark.django_db
+def test_a_sends_numbers_and_its_task_are_written_in_one_statement_on_postgresql(now):
+    """messages/ledger.py `Ledger.write`: on PostgreSQL the rollup insert leads the task
+    upsert (a data-modifying WITH), one round trip; both land either way."""
+    from django.test.utils import CaptureQueriesContext
+
+    from messages.models import Task
+
+    register("fin.tax", "node-b")
+    with CaptureQueriesContext(connection) as queries:
+        message_send(request=SendRequest(to="fin.tax", task_id="one-trip"), now=now)
+    assert Task.objects.filter(task_id="one-trip", to_agent_id="fin.tax").count() == 1
+    counts = rollup_totals(scope=AGENT, step=60, first=0, last=2**40)["fin.tax"]
+    assert counts["tasks"] == 1 and counts["requests"] == 1
+    rollup_inserts = [q["sql"] for q in queries.captured_queries
+                      if "INSERT INTO a2a_rollup" in q["sql"]
+                      or 'INSERT INTO "a2a_rollup"' in q["sql"]]
+    assert len(rollup_inserts) == 1
+    if connection.vendor == "postgresql":
+        statement = rollup_inserts[0]
+        assert statement.lstrip().startswith("WITH") and "a2a_task" in statement

@@ -21,6 +21,7 @@ import pytest
 
 from tests.conftest import expect_real_services
 from tests.mqtt import free_port
+from tests.stack import supervisord_conf_text
 from tests.test_worker_survives_redis import (  # noqa: F401 - private_redis is a fixture
     BIN,
     ROOT,
@@ -91,15 +92,8 @@ def supervisord_or_skip() -> Path:
 def config_for_test(run_dir: Path, web_port: int) -> Path:
     """deploy/supervisord.conf with this checkout, this virtualenv, a private runtime
     directory and a free loopback port for Daphne; nothing else changes."""
-    text = (DEPLOY / "supervisord.conf").read_text()
-    for old, new in (
-        ("/srv/reachconsole/.venv/bin/", f"{BIN}/"),
-        ("/srv/reachconsole", str(ROOT)),
-        ("/run/reachconsole", str(run_dir)),
-        ("-b 0.0.0.0 -p 8000", f"-b 127.0.0.1 -p {web_port}"),
-    ):
-        assert old in text, f"deploy/supervisord.conf no longer contains {old!r}"
-        text = text.replace(old, new)
+    text = supervisord_conf_text(run_dir, more=(("-b 0.0.0.0 -p 8000",
+                                                 f"-b 127.0.0.1 -p {web_port}"),))
     path = run_dir / "supervisord.conf"
     path.write_text(text)
     return path

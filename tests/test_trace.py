@@ -201,3 +201,19 @@ def test_a_row_seen_between_other_nodes_is_not_said_to_lack_a_puback(now):
                                   target_node_id="node-b", created_at=now, updated_at=now,
                                   acked_at=now + timedelta(milliseconds=4))
     assert task_trace(seen).attempts[0].notes == []
+
+
+def test_the_trace_and_the_api_list_the_same_attempts_and_a_cancel_is_none(now, api):
+    """One notion of a task's attempts (messages/selectors.py task_attempts): the trace page
+    and GET /api/messages/{id} cannot disagree about one task."""
+    from messages.cancel import task_cancel
+
+    register("fin.tax", "node-b", now=now)
+    first = message_send(request=SendRequest(to="fin.tax", task_id="job-c1", timeout_ms=600_000),
+                         now=now)
+    published(first, now + timedelta(milliseconds=20))
+    task_cancel(task_id="job-c1", by="ops", reason="wrong invoice", now=now)
+    assert Message.objects.filter(task_id="job-c1", message_type=MT.CANCEL).count() == 1
+    listed = api.get(f"/api/a2a/messages/{first.message_id}").json()["attempts"]
+    assert [a["messageId"] for a in listed] == [
+        a.row.message_id for a in task_trace(first).attempts] == [first.message_id]
