@@ -465,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         sender.join(runs.CLIENT_RETRY_BUDGET_S + 20)
         sampler.stop.set()
 
-    sent_tasks = [t for t in tasks[:sender.progress] if t.outcome != "pending"]
+    # The one under way when it stopped too, if it was sent (its outcome says).
+    sent_tasks = [t for t in tasks[:sender.progress + 1] if t.outcome != "pending"]
     rows = runs.wait_final(stack, [t.task_id for t in sent_tasks])
     outcome = runs.classify(sent_tasks, rows, node)
     quiet = time.time()

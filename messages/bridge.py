@@ -34,6 +34,7 @@ from django.db import (
     OperationalError,
     close_old_connections,
     connection,
+    connections,
 )
 from django.utils import timezone
 from paho.mqtt.packettypes import PacketTypes
@@ -161,6 +162,19 @@ def connection_keep() -> None:
         close_old_connections()
 
 
+def _database_answers(alias: str) -> bool:
+    """Whether this thread's own connection to the database `alias` answers."""
+    db = connections[alias]
+    try:
+        if db.errors_occurred:
+            db.close_if_unusable_or_obsolete()
+        with db.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        return True
+    except DatabaseError:
+        return False
+
+
 def client_id_for(node_id: str, instance: str, console_id: str = "") -> str:
     """One fixed id per bridge of one console: a persistent session, and two bridges with one
     id kick each other off the broker for as long as both run. The console's identity
@@ -221,6 +235,7 @@ class Bridge:
         # for it while it was away (NATS drops those with the subscription), and it may be
         # the bridge that takes the lock a moment later.
         self._lock_asked = False
+        self._outage_said = False  # single mode: the database-outage warning, once an outage
         self._subscribe_lock = threading.Lock()  # paho's thread and the owner both subscribe
         # (mid, filters) of the SUBSCRIBE whose SUBACK sets `listening`
         self._awaited_suback: tuple[int, list[str]] | None = None
@@ -529,14 +544,23 @@ class Bridge:
                             self.client_id)
             return
         held = lock.hold()
-        if not held and lock.unreachable:
+        if not held and lock.unreachable and not _database_answers(lock.alias):
             # The database is away: nobody stores anything now, and nobody can be known to
             # hold the lock. Standing by would unsubscribe, and what the other nodes publish
             # meanwhile would match no subscriber and be gone (observed traffic at every
             # PostgreSQL restart). Subscribed, this bridge leaves it unacknowledged with the
             # broker until it can store it; the first answer from the database decides (and
             # a bridge that finds the lock taken then stands by, its duplicates idempotent).
+            # Only when the database is away for this bridge's own connection too: a lock
+            # connection refused alone (too many clients) is no outage, and standing by then
+            # keeps two bridges from ingesting.
+            if not self._outage_said:
+                self._outage_said = True
+                log.warning("bridge %s cannot ask for the ingest lock (%s): it stays "
+                            "subscribed until the database answers", self.client_id,
+                            lock.unreachable)
             return
+        self._outage_said = False
         first = not self._lock_asked
         self._lock_asked = True
         if held == self._ingesting and not first:

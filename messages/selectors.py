@@ -330,10 +330,10 @@ def message_is_resendable(row: Message) -> bool:
 
 def task_attempts(row: Message) -> QuerySet[Message]:
     """Every transmission of `row`'s task (its task id, direction and message type), oldest
-    first: the attempts the trace page draws and the API's message detail lists, so the two
-    never disagree. A CANCEL or an answer is no attempt. For what one send made of itself
-    (its retries and resends, not another caller's work under the same task id), see
-    `send_chain`."""
+    first: the attempts the trace page draws (its newest TRACE_MAX_ATTEMPTS) and the API's
+    message detail lists, so the two agree. A CANCEL or an answer is no attempt. For what
+    one send made of itself (its retries and resends, not another caller's work under the
+    same task id), see `send_chain`."""
     if not row.task_id:
         return Message.objects.none()
     return (Message.objects.filter(task_id=row.task_id, direction=row.direction,

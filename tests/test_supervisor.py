@@ -99,6 +99,14 @@ def config_for_test(run_dir: Path, web_port: int) -> Path:
     return path
 
 
+def _healthz(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
+            return r.status == 200
+    except OSError:  # not listening yet (URLError is an OSError)
+        return False
+
+
 class Supervisorctl:
     def __init__(self, conf: Path, env: dict[str, str]):
         self.conf, self.env = conf, env
@@ -166,8 +174,9 @@ def test_supervisord_restarts_a_killed_worker(private_redis):  # noqa: F811 - th
 
         states = wait_for(running, 60, "supervisord did not get every program RUNNING", 0.5)
         started.update(pid for _, pid in states.values())
-        with urllib.request.urlopen(f"http://127.0.0.1:{web_port}/healthz", timeout=10) as r:
-            assert r.status == 200
+        # RUNNING says a program outlived its startsecs, not that Daphne listens yet (on a
+        # busy box its start takes longer than that).
+        wait_for(lambda: _healthz(web_port), 60, "Daphne under supervisord answering /healthz")
         old_pid = states["worker"][1]
         pool = children_of(old_pid)
 
