@@ -140,3 +140,23 @@ def bridges_gone_quiet(*, now: datetime | None = None) -> list[BusHearing]:
     recent = fresh - timedelta(seconds=settings.MQTT_KEEPALIVE_S + 2)
     return list(BusHearing.objects.filter(hearing_since__isnull=False, heard_at__lt=fresh,
                                           heard_at__gte=recent).order_by("instance"))
+
+
+# --- a node's silence: the rule the sweeps, the pages and the directory share ---------------
+DOWN_AFTER_HEARTBEATS = 3
+
+
+def node_down_after(heartbeat_ms: int | None) -> timedelta:
+    """How long a node may be silent before it is DOWN: three of its heartbeat intervals (as
+    its heartbeats announce them, else REACH_HEARTBEAT_MS)."""
+    return timedelta(milliseconds=DOWN_AFTER_HEARTBEATS
+                     * (heartbeat_ms or settings.REACH_HEARTBEAT_MS))
+
+
+def silence_words(node_id: str, last_seen: datetime, *, now: datetime,
+                  window: timedelta) -> str:
+    """Why a silent node is DOWN and STALE, as the node's card and the directory say it.
+    `now`: up to when the console heard the bus (`bus_hearing`, above)."""
+    silent = int((now - last_seen).total_seconds())
+    return (f"node {node_id} has been silent for {silent} s (more than "
+            f"{int(window.total_seconds())} s, three heartbeats)")

@@ -31,9 +31,8 @@ from django.db.models import Count
 from django.utils import timezone
 
 from reachconsole.core.audit import audit_record
-from roster.hearing import Hearing, bus_hearing
+from roster.hearing import Hearing, bus_hearing, node_down_after, silence_words
 from roster.models import NODE_ID_RE, Agent, ClusterNode, Consistency, Reconciliation
-from roster.services import node_down_after, silence_words
 
 log = logging.getLogger(__name__)
 

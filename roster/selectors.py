@@ -10,9 +10,8 @@ from django.db.models import Case, Count, F, IntegerField, Q, QuerySet, Value, W
 from django.db.models.functions import RowNumber
 from django.utils import timezone
 
-from roster.hearing import bus_hearing
+from roster.hearing import bus_hearing, node_down_after
 from roster.models import Agent, ClusterNode, Consistency, RosterEvent, stale_cutoff
-from roster.services import node_down_after
 
 # Each heartbeat that lists a misplaced agent writes one event: the newest few thousand are
 # plenty to show which conflicts are current.

@@ -35,7 +35,7 @@ from roster.errors import (
     WrongNode,
 )
 from roster.generation import roster_changed
-from roster.hearing import bus_hearing
+from roster.hearing import bus_hearing, node_down_after, silence_words
 from roster.ids import (
     MAX_INFLIGHT_RANGE,
     MAX_LABELS,
@@ -716,25 +716,6 @@ def nodes_signature_refused(*, refused: dict[str, str], now: datetime | None = N
     for node_id in sorted(refused):  # the order every node lock is taken in
         ClusterNode.objects.filter(node_id=node_id).update(
             signature_refused_at=now, signature_refused=refused[node_id][:300])
-
-
-DOWN_AFTER_HEARTBEATS = 3
-
-
-def node_down_after(heartbeat_ms: int | None) -> timedelta:
-    """How long a node may be silent before it is DOWN: three of its heartbeat intervals (as
-    its heartbeats announce them, else REACH_HEARTBEAT_MS)."""
-    return timedelta(milliseconds=DOWN_AFTER_HEARTBEATS
-                     * (heartbeat_ms or settings.REACH_HEARTBEAT_MS))
-
-
-def silence_words(node_id: str, last_seen: datetime, *, now: datetime,
-                  window: timedelta) -> str:
-    """Why a silent node is DOWN and STALE, as the node's card and the directory say it.
-    `now`: up to when the console heard the bus (roster/hearing.py)."""
-    silent = int((now - last_seen).total_seconds())
-    return (f"node {node_id} has been silent for {silent} s (more than "
-            f"{int(window.total_seconds())} s, three heartbeats)")
 
 
 def nodes_sweep(*, now: datetime | None = None) -> int:
