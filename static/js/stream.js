@@ -65,20 +65,9 @@
     timer = setTimeout(function () { timer = null; connect(); }, wait);
   }
 
-  var CHANGED_EVERY_MS = 1000;
-  var changedTimer = null;
-  var changedAt = 0;
-
-  function changed() {
-    // A timer already set fires after this event, so it covers it.
-    if (changedTimer !== null) return;
-    var wait = Math.max(0, changedAt + CHANGED_EVERY_MS - Date.now());
-    changedTimer = setTimeout(function () {
-      changedTimer = null;
-      changedAt = Date.now();
-      emit("reach:changed", {});
-    }, wait);
-  }
+  // Regions that show counts of everything (the roster, the nodes) re-read at most once a
+  // second (static/js/pace.js).
+  var changed = window.reachPaced(1000, function () { emit("reach:changed", {}); });
 
   function onFrame(message) {
     var frame;

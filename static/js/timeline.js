@@ -36,8 +36,6 @@
   var about = false;
   var more = false;
   var partial = false;  // the server looked at the newest rows only: its count is a floor
-  var lastRefresh = 0;
-  var refreshTimer = null;
   var inFlight = false;
   var again = false;
   var lastPoll = Date.now();
@@ -120,7 +118,6 @@
       return;
     }
     inFlight = true;
-    lastRefresh = Date.now();
     var done = function () {
       inFlight = false;
       if (again) {
@@ -131,14 +128,8 @@
     htmx.ajax("GET", listUrl(), {source: live, target: live, swap: "innerHTML"}).then(done, done);
   }
 
-  function scheduleRefresh() {
-    if (refreshTimer !== null) return;
-    var wait = Math.max(0, lastRefresh + REFRESH_GAP_MS - Date.now());
-    refreshTimer = setTimeout(function () {
-      refreshTimer = null;
-      refresh();
-    }, wait);
-  }
+  // Paced like every live region (static/js/pace.js).
+  var scheduleRefresh = window.reachPaced(REFRESH_GAP_MS, function () { refresh(); });
 
   // Whether a pushed event's row is in the page's filtered set: the server's filters
   // (messages/selectors.py MessageFilter), told from the event's fields.

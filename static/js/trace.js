@@ -20,22 +20,13 @@
     return !!detail.messageId && known.messages.indexOf(detail.messageId) !== -1;
   }
 
-  // At most one re-read every EVERY_MS, and always one after the last event: a task's
-  // SENT, PUBLISHED and ACKED often arrive within half a second, and htmx's own `throttle:`
-  // would drop the last of them, leaving the trace a step behind until the slow poll.
-  var EVERY_MS = 500;
-  var timer = null;
-  var firedAt = 0;
+  // At most one re-read every 500 ms, and always one after the last event
+  // (static/js/pace.js): a task's SENT, PUBLISHED and ACKED often arrive within half a second.
+  var changed = window.reachPaced(500, function () {
+    document.body.dispatchEvent(new CustomEvent("reach:trace-changed"));
+  });
 
-  function onEvent(e) {
-    // A timer already set fires after this event, so it covers it.
-    if (!mine(e.detail) || timer !== null) { return; }
-    timer = setTimeout(function () {
-      timer = null;
-      firedAt = Date.now();
-      document.body.dispatchEvent(new CustomEvent("reach:trace-changed"));
-    }, Math.max(0, firedAt + EVERY_MS - Date.now()));
-  }
-
-  document.body.addEventListener("a2a_message", onEvent);
+  document.body.addEventListener("a2a_message", function (e) {
+    if (mine(e.detail)) { changed(); }
+  });
 }());
