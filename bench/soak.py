@@ -2,6 +2,7 @@
 
     make soak                                        # 60 min at ~300 msg/s, the goal's shape
     .venv/bin/python bench/soak.py --minutes 6 --fault-every 120   # a short look
+    .venv/bin/python bench/soak.py --ingest single   # one ingesting bridge (README: the mode)
 
 The console in production shape, as the fault runs have it (tests/stack.py: private
 PostgreSQL, Redis and Mosquitto, stock daphne, celery worker and celery beat), under:
