@@ -150,10 +150,6 @@ class MessageFilter:
                 "task": self.task, "q": self.q, "error": self.error,
                 "until": self.until_at.isoformat() if self.until_at else ""}
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.as_pairs()
-
 
 def _base(flt: MessageFilter) -> QuerySet[Message]:
     """Every filter but the OR-ed alternatives (see `_alternatives`)."""

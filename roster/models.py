@@ -177,7 +177,6 @@ class Agent(models.Model):
             # The directory's third level: segment = %s (directory/resolver.py).
             models.Index(fields=["segment"], name="agent_segment"),
         ]
-        permissions = [("drain_agent", "Can drain and deregister agents from the console")]
 
     def __str__(self) -> str:
         return self.agent_id

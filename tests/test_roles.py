@@ -9,7 +9,7 @@ import logging
 from types import SimpleNamespace
 
 import pytest
-from django.contrib.auth.models import Group, User
+from django.contrib.auth.models import Group, Permission, User
 from django.db import connection
 from django.db.migrations.loader import MigrationLoader
 from django.test import Client
@@ -31,6 +31,7 @@ MIGRATIONS = [
     ("core", "0002_roles", "roles_create", "roles_remove"),
     ("a2a", "0007_operators_cancel", "operators_may_cancel", "operators_may_not_cancel"),
     ("alarms", "0002_roles", "roles_grant", "roles_revoke"),
+    ("roster", "0011_no_drain_permission", "drain_permission_drop", "drain_permission_restore"),
 ]
 
 
@@ -43,9 +44,17 @@ def roles_migrate(direction: str = "forward") -> None:
     editor = SimpleNamespace(connection=connection)
     steps = MIGRATIONS if direction == "forward" else MIGRATIONS[::-1]
     for app_label, name, forward, backward in steps:
-        module = importlib.import_module(loader.get_migration(app_label, name).__module__)
-        state_apps = loader.project_state((app_label, name)).apps
-        getattr(module, forward if direction == "forward" else backward)(state_apps, editor)
+        migration_step(loader, editor, app_label, name,
+                       forward if direction == "forward" else backward, direction)
+
+
+def migration_step(loader, editor, app_label: str, name: str, function: str,
+                   direction: str) -> None:
+    """One migration's function, on the models as migrate hands them to it: its own state
+    going forward, its predecessor's going back (each of these is a lone or first RunPython)."""
+    module = importlib.import_module(loader.get_migration(app_label, name).__module__)
+    state_apps = loader.project_state((app_label, name), at_end=direction == "forward").apps
+    getattr(module, function)(state_apps, editor)
 
 
 def member(username: str, group: str) -> User:
@@ -85,6 +94,8 @@ def test_it_creates_both_groups_with_their_permissions():
     assert granted(roles.OPERATOR) == set(roles.OPERATOR_PERMISSIONS)
     for action in ("resend_message", "change_agent", "reconcile_cluster", "manage_node"):
         assert not any(codename == action for _, codename in roles.VIEWER_PERMISSIONS)
+    # One permission per action: the one nothing checked is gone (roster 0011).
+    assert not Permission.objects.filter(codename="drain_agent").exists()
 
 
 def test_the_migration_runs_again_changing_nothing_and_reverses():
@@ -98,6 +109,19 @@ def test_the_migration_runs_again_changing_nothing_and_reverses():
     assert list(Group.objects.values_list("name", flat=True)) == ["auditors"]
     roles_migrate()
     assert {name: granted(name) for name in before} == before
+
+
+def test_reversing_the_drain_permission_migration_gives_it_back_to_operators():
+    loader = MigrationLoader(connection)
+    editor = SimpleNamespace(connection=connection)
+    migration_step(loader, editor, "roster", "0011_no_drain_permission",
+                   "drain_permission_restore", "backward")
+    assert ("roster", "drain_agent") in granted(roles.OPERATOR)
+    assert ("roster", "drain_agent") not in granted(roles.VIEWER)
+    migration_step(loader, editor, "roster", "0011_no_drain_permission",
+                   "drain_permission_drop", "forward")
+    assert ("roster", "drain_agent") not in granted(roles.OPERATOR)
+    assert not Permission.objects.filter(codename="drain_agent").exists()
 
 
 def test_group_members_hold_exactly_their_roles_permissions():

@@ -27,7 +27,6 @@ OPERATOR_PERMISSIONS = VIEWER_PERMISSIONS + [
     ("a2a", "resend_message"),
     ("a2a", "cancel_task"),           # cancel a task, or a filtered set of open tasks
     ("roster", "change_agent"),       # drain, undrain, deregister one agent
-    ("roster", "drain_agent"),
     ("roster", "reconcile_cluster"),
     ("roster", "manage_node"),        # drain or retire a whole node
     ("alarms", "acknowledge_alarm"),
