@@ -46,8 +46,8 @@ NODE = "bench-console"
 
 
 def bridge_id(tag: str, i: int) -> str:
-    """Bridge i's MQTT client id (messages.bridge.client_id_for, console id `tag`)."""
-    from messages.bridge import client_id_for
+    """Bridge i's MQTT client id (messages.client_ids.client_id_for, console id `tag`)."""
+    from messages.client_ids import client_id_for
 
     return client_id_for(NODE, f"{tag}-{i}", tag)
 

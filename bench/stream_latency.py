@@ -368,7 +368,7 @@ def bridge_session_discard(tag: str) -> None:
     does not queue for a subscriber that is gone."""
     from ingest import session_discard
 
-    from messages.bridge import client_id_for
+    from messages.client_ids import client_id_for
 
     session_discard(client_id_for(f"{tag}-console", tag))
 

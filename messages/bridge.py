@@ -12,12 +12,9 @@ heartbeat, and sends the probe whose return proves, and reports, up to when it h
 from __future__ import annotations
 
 import collections
-import hashlib
-import json
 import logging
 import queue
 import random
-import secrets
 import socket
 import threading
 import time
@@ -34,7 +31,6 @@ from django.db import (
     OperationalError,
     close_old_connections,
     connection,
-    connections,
 )
 from django.utils import timezone
 from paho.mqtt.packettypes import PacketTypes
@@ -42,14 +38,15 @@ from paho.mqtt.properties import Properties
 
 from messages import protocol
 from messages.broker_caps import REFRESH_S, SYS_WAIT_S, broker_caps_record, connack_caps
+from messages.client_ids import client_id_for, legacy_sessions_end
 from messages.handlers import (
     LOCAL_HANDLERS,
     console_agents_heartbeat,
     console_agents_register,
     console_agents_renew,
 )
-from messages.inbound import Incoming, messages_ingest
-from messages.ingest_lock import IngestLock
+from messages.inbound import Incoming, IngestResult, messages_ingest
+from messages.ingest_lock import Hold, IngestLock
 from messages.models import Message
 from messages.mqtt_client import (
     broker_target,
@@ -64,8 +61,10 @@ from messages.outbox import (
     outbox_subscribe,
     outbox_unsubscribe,
 )
+from messages.probes import Probe, ProbeChain, probe_decode
 from messages.puback import Puback, pubacks_apply
 from messages.rows import row_encode
+from messages.subscriptions import BROKER_DROPPED_TOPIC, PLAIN_INBOX_SID, IngestPlan
 from reachconsole.core import identity
 from reachconsole.core.broker_drops import broker_drops_note
 from reachconsole.core.logs import log_fields
@@ -75,14 +74,7 @@ from roster.hearing import PROBE_EVERY_S, hearing_lost, hearing_record
 log = logging.getLogger(__name__)
 
 QUEUE_LIMIT = 20_000
-BROKER_DROPPED_TOPIC = "$SYS/broker/publish/messages/dropped"
 RETRY_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
-# How bridges split the inbound topics (README "Scaling out"): "auto" shares them when the
-# broker can (MQTT 5 without SharedSubscriptionAvailable = 0), else one bridge ingests.
-INGEST_CHOICES = ("auto", "shared", "single")
-# The subscription identifier of the plain own-inbox subscription ("what each bridge
-# subscribes to"): how a copy through it is told from the shared group's.
-PLAIN_INBOX_SID = 1
 LOCK_TRY_EVERY_S = 1.0  # single mode: how often a standby tries the lock, the holder checks it
 # The database or the cache (Redis: the idempotency window) is down: wait, don't skip.
 INFRA_DOWN = (OperationalError, InterfaceError, redis.exceptions.ConnectionError,
@@ -97,22 +89,11 @@ class _Received:
     qos: int
     generation: int
     received_at: float = 0.0  # time.time() when paho handed it over
-    copy: bool = False  # came through the plain own-inbox subscription (see _plain_inbox)
-
-
-@dataclass(frozen=True, slots=True)
-class _Probe:
-    """Our own probe, back through the broker (roster/hearing.py): once everything received
-    before it is stored, the console has heard the bus up to when probe `seq` was sent. Its
-    send time is kept by the bridge, never read from the payload (which anyone allowed on
-    the topic could write)."""
-    nonce: str
-    seq: int
+    copy: bool = False  # came through the plain own-inbox subscription (plan.plain_inbox)
 
 
 _WAKE = object()  # wakes the owner thread: confirms are waiting, or the outbox has work
 HEARING_EVERY_S = 1.0
-PROBES_KEPT = 200  # probes awaited at most (100 s of them): older ones are given up
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,14 +109,6 @@ def _response_waits_for(row: Message) -> str:
     if row.message_type == protocol.MessageType.ACK and row.from_agent_id in LOCAL_HANDLERS:
         return row.in_reply_to
     return ""
-
-
-def _probe_decode(payload: bytes) -> _Probe | None:
-    try:
-        data = json.loads(payload)
-        return _Probe(str(data["nonce"]), int(data["seq"]))
-    except (ValueError, TypeError, KeyError):
-        return None
 
 
 def _log_fields_of(payload: bytes) -> dict[str, str]:
@@ -162,48 +135,13 @@ def connection_keep() -> None:
         close_old_connections()
 
 
-def _database_answers(alias: str) -> bool:
-    """Whether this thread's own connection to the database `alias` answers."""
-    db = connections[alias]
-    try:
-        if db.errors_occurred:
-            db.close_if_unusable_or_obsolete()
-        with db.cursor() as cursor:
-            cursor.execute("SELECT 1")
-        return True
-    except DatabaseError:
-        return False
-
-
-def client_id_for(node_id: str, instance: str, console_id: str = "") -> str:
-    """One fixed id per bridge of one console: a persistent session, and two bridges with one
-    id kick each other off the broker for as long as both run. The console's identity
-    (reachconsole/core/identity.py, read from its database) is in it: two consoles on one
-    broker with the default node id were both `reach-console-1`. Kept within 64 characters
-    without cutting the instance off."""
-    console = console_id or identity.console_id()
-    node = node_id or "anon"
-    client_id = f"{console}-{node}-{instance}"
-    if len(client_id) > 64:
-        digest = hashlib.sha256(node.encode()).hexdigest()[:10]
-        client_id = f"{console[:64 - len(instance) - 12]}-{digest}-{instance}"
-    return client_id[:64]
-
-
-def legacy_client_ids(node_id: str, instance: str) -> list[str]:
-    """The ids this bridge had under earlier versions: before the console's identity was in
-    it, and while that identity was a hash of how the database's address was spelled."""
-    return [f"reach-{node_id or 'anon'}-{instance}"[:64],
-            client_id_for(node_id, instance,
-                          identity.address_identity(settings.DATABASES["default"]))]
-
-
 class Bridge:
     def __init__(self, *, url: str, node_id: str, prefix: str, instance: str = "1",
                  protocol_version: str = "5", monitor: bool = True,
                  session_expiry_s: int = 3600, max_queued: int = 10000, batch: int = 500,
                  heartbeat_ms: int = 5000, share_group: str = "", ingest: str = "auto",
-                 console_id: str = "", keepalive_s: int = 15):
+                 console_id: str = "", keepalive_s: int = 15,
+                 reconnect_delay_s: tuple[float, float] = (1, 30)):
         # TLS and credentials come with the URL and the settings (messages/mqtt_client.py).
         self.target = broker_target(url, protocol=protocol_version)
         self.url = self.target.display  # never the password: this one is logged
@@ -220,26 +158,21 @@ class Bridge:
         self.max_queued = max_queued
         self.batch = batch
         self.heartbeat_s = heartbeat_ms / 1000
-        if ingest not in INGEST_CHOICES:
-            raise ValueError(f"ingest {ingest!r}: use one of {', '.join(INGEST_CHOICES)}")
+        self.reconnect_delay_s = reconnect_delay_s  # paho's (least, largest) wait
+        # What the broker can do, as its CONNACK and $SYS told us (messages/broker_caps.py).
+        self.caps: dict[str, Any] = {}
         # One group per console (settings.REACH_BRIDGE_SHARE_GROUP): two consoles on one
         # broker must each get every message, their own bridges only a share of it.
         self.share_group = share_group or f"reach-{node_id or 'anon'}"
-        self.ingest_setting = ingest
-        self.ingest_mode = ""  # "shared" or "single", decided on each CONNACK
-        self._ingesting = False  # whether the inbound subscriptions are (to be) in place
+        self.plan = IngestPlan(prefix=prefix, node_id=node_id, monitor=monitor,
+                               share_group=self.share_group, probe_topic=self.probe_topic,
+                               setting=ingest, v5=self.v5, caps=self.caps)
         self._ingest_lock: IngestLock | None = None  # single mode only
         self._next_lock_try = 0.0
-        # Single mode: whether this connection has asked for the ingest lock yet. Until it
-        # has, nothing inbound is unsubscribed: its session may hold what the broker kept
-        # for it while it was away (NATS drops those with the subscription), and it may be
-        # the bridge that takes the lock a moment later.
-        self._lock_asked = False
         self._outage_said = False  # single mode: the database-outage warning, once an outage
         self._subscribe_lock = threading.Lock()  # paho's thread and the owner both subscribe
         # (mid, filters) of the SUBSCRIBE whose SUBACK sets `listening`
         self._awaited_suback: tuple[int, list[str]] | None = None
-        self._shares_refused = False  # a SUBACK said 0x9E: shared subscriptions not supported
         self.counts = LocalCounter()
         self.connected = threading.Event()
         # Connected AND subscribed to what this bridge must hear in its mode (shared: at once;
@@ -256,19 +189,10 @@ class Bridge:
         self._listener = OutboxListener(self._wake_outbox)
         self._hearing = False
         self._last_hearing = 0.0
-        # The chain of probes back (owner thread): hearing without a gap from `since` up to
-        # `through`, the last probe in it `seq`, sent under `nonce`. None: no proof since the
-        # last break.
-        self._heard: tuple[datetime, datetime, int, str] | None = None
         # Renewed (by paho's thread) each time the broker grants what this bridge must hear:
-        # only probes sent after that prove anything.
-        self._probe_nonce = ""
-        self._probe_seq = 0
-        self._probes_out: collections.OrderedDict[int, tuple[str, datetime]] = (
-            collections.OrderedDict())  # seq → (nonce, send time), until it comes back
+        # only probes sent after that prove anything (messages/probes.py).
+        self.probes = ProbeChain()
         self._last_probe = 0.0  # monotonic, when the owner last sent one
-        self._probe_back = 0.0  # monotonic, when paho last took one back (any thread)
-        self._waiting_since = 0.0  # monotonic, the first probe sent since one came back
         self._last_db_warning = 0.0
         self._stop = threading.Event()
         self._owner: threading.Thread | None = None
@@ -277,8 +201,6 @@ class Bridge:
         self._last_flush = 0.0
         self._counted_generation = 0  # connections counted so far (reconnects metric)
         self.dropped_total: int | None = None
-        # What the broker can do, as its CONNACK and $SYS told us (messages/broker_caps.py).
-        self.caps: dict[str, Any] = {}
         self._connected_at = 0.0
         self._caps_refreshed = 0.0
 
@@ -305,7 +227,8 @@ class Bridge:
                              clean_session=False, manual_ack=True)
         client.max_queued_messages_set(self.max_queued)
         client.max_inflight_messages_set(100)
-        client.reconnect_delay_set(min_delay=1, max_delay=30)
+        least, largest = self.reconnect_delay_s
+        client.reconnect_delay_set(min_delay=least, max_delay=largest)
         client.on_connect = self._guard(self._on_connect)
         client.on_connect_fail = self._guard(self._on_connect_fail)
         client.on_disconnect = self._guard(self._on_disconnect)
@@ -316,8 +239,9 @@ class Bridge:
         # Used only if the broker cannot share subscriptions (decided on each CONNACK).
         self._ingest_lock = IngestLock(name=self.share_group)
         self._register_local_agents()
-        threading.Thread(target=self._legacy_sessions_end, name="mqtt-legacy-session",
-                         daemon=True).start()
+        threading.Thread(target=legacy_sessions_end, name="mqtt-legacy-session", daemon=True,
+                         kwargs={"target": self.target, "node_id": self.node_id,
+                                 "instance": self.instance, "current": self.client_id}).start()
         if self.v5:
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = self.session_expiry_s
@@ -376,101 +300,7 @@ class Bridge:
 
         return guarded
 
-    # --- what each bridge subscribes to ------------------------------------------------------
-    # The inbound topics (heartbeats, the inboxes) are the console's, not one bridge's: each
-    # message must be stored by exactly one of its bridges, so they are shared
-    # (`$share/{group}/…`, MQTT 5) or, where the broker cannot share, taken by the one bridge
-    # that holds the ingest lock (messages/ingest_lock.py). That includes the console's own
-    # inbox: a request to the console is consumed once per node (PROTOCOL.md), not once per
-    # bridge. The `$SYS` drop counter is each bridge's alone: it is one small message per
-    # broker interval, and each bridge computes drops as the difference from the last total
-    # it saw, which a share of the readings would get wrong. The outbox needs no
-    # subscription (rows are claimed in the database, `skip_locked`), and the console's own
-    # sends come back through the shared inbox wildcard like any observed traffic.
-    #
-    # One exception, found in the broker-restart fault run: Mosquitto (2.0.11 here) does not
-    # restore shared subscriptions from its persistence, so after a broker restart a message
-    # published before the bridges have subscribed again matches nobody and is gone. For
-    # observed traffic and heartbeats (QoS 0) that is a gap in a record; for the console's
-    # own inbox it is an answer the console waits for (a send stuck ACKED). So every bridge
-    # also keeps a plain subscription to its own inbox, which a persistent session keeps
-    # over a restart (and which hears what a share handed to a stopped member's session).
-    # That makes one publish arrive once through the group and once per bridge plainly;
-    # the plain subscription carries a subscription identifier (PLAIN_INBOX_SID), so each
-    # copy says which way it came, and a plain copy is only ever a stand-in: it is stored
-    # and acted on when it is the first to arrive, and never answered, counted or refused
-    # as a repeat (messages/inbound.py, "copies"). One message in, one answer out. A broker
-    # without subscription identifiers gets no plain subscription: the shared group alone.
-    #
-    # The heartbeats are not shared either. A share of them goes to every member of the
-    # group, a bridge that stopped included (its persistent session stays a member until it
-    # expires, an hour by default), and heartbeats are QoS 0, so its share was simply lost:
-    # the console heard 20 of 39 heartbeats while one of two bridges was away, and called
-    # live agents EXPIRED. And a bridge's probe (roster/hearing.py) can only prove that it
-    # heard everything if it gets everything. So every bridge subscribes to them itself, and
-    # the first to claim a heartbeat applies it (messages/inbound.py heartbeats_first_copy).
-    def _inbound_topics(self) -> list[tuple[str, int]]:
-        subs = [(protocol.heartbeat_wildcard(self.prefix), 0)]
-        if self.monitor:
-            # The wildcard covers our own inbox too (its topic makes those RECV); a second,
-            # overlapping subscription would have the broker deliver them twice.
-            subs.append((protocol.inbox_wildcard(self.prefix), 1))
-        elif self.node_id:
-            subs.append((protocol.inbox_topic(self.prefix, self.node_id), 1))
-        return subs
-
-    def _shared(self, topic: str) -> str:
-        return f"$share/{self.share_group}/{topic}"
-
-    def _own_inbox(self) -> str:
-        return protocol.inbox_topic(self.prefix, self.node_id) if self.node_id else ""
-
-    def _subscriptions(self) -> list[tuple[str, int]]:
-        # Brokers that publish $SYS counters (Mosquitto) report their drops here. The probe
-        # is each bridge's own, in every mode: a standby must notice a dead connection too.
-        subs = [(BROKER_DROPPED_TOPIC, 0), (self.probe_topic, 0)]
-        if not self._ingesting:
-            return subs
-        if self.ingest_mode != "shared":
-            return subs + self._inbound_topics()
-        beats = protocol.heartbeat_wildcard(self.prefix)
-        subs += [(self._shared(t), q) for t, q in self._inbound_topics() if t != beats]
-        subs.append((beats, 0))  # every bridge hears every heartbeat: see above
-        return subs
-
-    def _plain_inbox(self) -> str:
-        """The own inbox's plain subscription beside the shared one (see above), or ""."""
-        if (self._ingesting and self.ingest_mode == "shared"
-                and self.caps.get("subscription_identifiers") is not False):
-            return self._own_inbox()
-        return ""
-
-    def _stale_filters(self) -> list[str]:
-        """Inbound filters this bridge must not hold now: its persistent session keeps what
-        an earlier run subscribed (another mode, or the ingest lock it no longer holds), and
-        the broker would go on delivering a copy of every message to it."""
-        plain = [t for t, _ in self._inbound_topics()]
-        beats = protocol.heartbeat_wildcard(self.prefix)
-        if self.ingest_mode == "shared":
-            # The shared heartbeat filter of an earlier version, too (see above), and the
-            # plain own inbox when the broker cannot say which copy is which.
-            own = self._own_inbox()
-            # What a run with the other REACH_MONITOR left: the other shared inbox filter
-            # (the own inbox through it twice, neither copy marked) and the plain wildcard.
-            wildcard = protocol.inbox_wildcard(self.prefix)
-            other = ([self._shared(own)] if own else []) if self.monitor else [
-                self._shared(wildcard), wildcard]
-            return [t for t in plain if t not in (own, beats)] + [self._shared(beats)] + (
-                [own] if own and not self._plain_inbox() else []) + other
-        stale = [] if self._ingesting or not self._lock_asked else plain
-        if self.monitor and self._own_inbox():
-            stale.append(self._own_inbox())  # the plain own inbox of a shared-mode run
-        if self.caps.get("shared_subscriptions"):
-            # Only a broker that takes `$share/` filters is sent them (single mode by
-            # setting); to one without, even an UNSUBSCRIBE of one may be a protocol error.
-            stale += [self._shared(t) for t in plain]
-        return stale
-
+    # --- subscriptions (what they are: messages/subscriptions.py) ---------------------------
     def _sync_subscriptions(self, client: mqtt.Client | None, *, then_listen: bool = False
                             ) -> None:
         """Subscribe to what this bridge must hear, then drop the rest: in that order, an
@@ -480,80 +310,71 @@ class Bridge:
         matches nothing on the broker, and is gone."""
         if client is None:
             return
+        plan = self.plan
         with self._subscribe_lock:
-            plain = self._plain_inbox()
+            plain = plan.plain_inbox()
             if plain:
                 # Its own SUBSCRIBE: an identifier is given per packet. Granted before the
                 # rest (the broker answers in order), so `listening` covers it too.
                 props = Properties(PacketTypes.SUBSCRIBE)
                 props.SubscriptionIdentifier = PLAIN_INBOX_SID
                 client.subscribe(plain, qos=1, properties=props)
-            subscriptions = self._subscriptions()
+            subscriptions = plan.subscriptions()
             _, mid = client.subscribe(subscriptions)
             if then_listen:
                 self._awaited_suback = (mid, [topic for topic, _ in subscriptions])
-            stale = self._stale_filters()
+            stale = plan.stale_filters()
             if stale:
                 client.unsubscribe(stale)
 
     def _ingest_mode_decide(self) -> None:
-        """Shared subscriptions when the broker allows them, else one active bridge; says
-        which in the log whenever it changes (once per bridge, not per reconnect)."""
-        if self.ingest_setting != "auto":
-            mode, why = self.ingest_setting, f"REACH_BRIDGE_INGEST={self.ingest_setting}"
-        elif not self.v5:
-            mode, why = "single", "MQTT 3.1.1 has no shared subscriptions"
-        elif not self.caps.get("shared_subscriptions", True):
-            mode, why = "single", "the broker's CONNACK says SharedSubscriptionAvailable = 0"
-        elif self._shares_refused:
-            mode, why = "single", "the broker refused a shared subscription"
-        else:
-            mode, why = "shared", "the MQTT 5 broker allows shared subscriptions"
-        if mode == self.ingest_mode:
+        """Decide the ingest mode (messages/subscriptions.py); say which in the log whenever
+        it changes (once per bridge, not per reconnect)."""
+        lock = self._ingest_lock
+        why = self.plan.decide(lock_held=lock is not None and lock.held)
+        if not why:
             return
-        self.ingest_mode = mode
-        if mode == "shared":
-            self._ingesting = True
+        if self.plan.mode == "shared":
             log.info("MQTT ingest: shared, bridge %s takes a share of group %r (%s)",
                      self.client_id, self.share_group, why)
-        else:
-            lock = self._ingest_lock
-            self._ingesting = lock is not None and lock.held
-            # A warning where it limits scaling out; the embedded mode has one process anyway.
-            level = logging.WARNING if lock is not None and lock.vendor == "postgresql" else (
-                logging.INFO)
-            log.log(level, "MQTT ingest: one active bridge (%s); ingest lock: %s; bridge %s %s",
-                    why, lock.what if lock else "none",
-                    self.client_id, "ingests" if self._ingesting else
-                    "waits for the lock and publishes the outbox meanwhile")
+            return
+        # A warning where it limits scaling out; the embedded mode has one process anyway.
+        level = logging.WARNING if lock is not None and lock.vendor == "postgresql" else (
+            logging.INFO)
+        log.log(level, "MQTT ingest: one active bridge (%s); ingest lock: %s; bridge %s %s",
+                why, lock.what if lock else "none", self.client_id,
+                "ingests" if self.plan.ingesting else
+                "waits for the lock and publishes the outbox meanwhile")
+
+    @property
+    def ingest_mode(self) -> str:
+        """"shared" or "single", decided on each CONNACK ("" before the first)."""
+        return self.plan.mode
 
     def _ingest_lock_turn(self, now: float) -> None:
         """Single mode (owner thread): take the ingest lock, or check the one held, about
         once a second, and (un)subscribe when that changes. A bridge that lost the broker
         lets the lock go, so a connected one ingests meanwhile."""
-        lock = self._ingest_lock
-        if self.ingest_mode != "single" or lock is None or now < self._next_lock_try:
+        lock, plan = self._ingest_lock, self.plan
+        if plan.mode != "single" or lock is None or now < self._next_lock_try:
             return
         self._next_lock_try = now + LOCK_TRY_EVERY_S
         if not self.connected.is_set():
             self.listening.clear()
             if lock.held and lock.vendor == "postgresql":
                 lock.release()
-                self._ingesting = False
+                plan.ingesting = False
                 log.warning("bridge %s lost the broker: released the ingest lock",
                             self.client_id)
             return
-        held = lock.hold()
-        if not held and lock.unreachable and not _database_answers(lock.alias):
+        hold = lock.hold()
+        if hold is Hold.UNKNOWN:
             # The database is away: nobody stores anything now, and nobody can be known to
             # hold the lock. Standing by would unsubscribe, and what the other nodes publish
             # meanwhile would match no subscriber and be gone (observed traffic at every
             # PostgreSQL restart). Subscribed, this bridge leaves it unacknowledged with the
             # broker until it can store it; the first answer from the database decides (and
             # a bridge that finds the lock taken then stands by, its duplicates idempotent).
-            # Only when the database is away for this bridge's own connection too: a lock
-            # connection refused alone (too many clients) is no outage, and standing by then
-            # keeps two bridges from ingesting.
             if not self._outage_said:
                 self._outage_said = True
                 log.warning("bridge %s cannot ask for the ingest lock (%s): it stays "
@@ -561,17 +382,16 @@ class Bridge:
                             lock.unreachable)
             return
         self._outage_said = False
-        first = not self._lock_asked
-        self._lock_asked = True
-        if held == self._ingesting and not first:
+        held = hold is Hold.HELD
+        first = not plan.lock_asked
+        plan.lock_asked = True
+        if held == plan.ingesting and not first:
             return
-        if held == self._ingesting:  # the first answer since connecting, and no change
+        if held == plan.ingesting:  # the first answer since connecting, and no change
             self._sync_subscriptions(self._client, then_listen=True)
             return
-        self._ingesting = held
-        # What it hears changes: no proof until the broker has granted the new subscriptions
-        # (the SUBACK renews the probe nonce), or the time before would count as heard.
-        self._heard = None
+        plan.ingesting = held
+        self.probes.restart()  # what it hears changes
         self.listening.clear()
         if held:
             # It says it hears the bus on the next turn after the SUBACK (_on_subscribe), not
@@ -597,11 +417,11 @@ class Bridge:
             client.socket().setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except (AttributeError, OSError) as exc:
             log.warning("could not set TCP_NODELAY on the MQTT socket: %s", exc)
-        self._lock_asked = False
+        self.plan.lock_asked = False
         self._next_lock_try = 0.0  # single mode: ask for the lock on the next step
         self._ingest_mode_decide()
         # Single mode listens once the ingest lock has been asked (_ingest_lock_turn).
-        self._sync_subscriptions(client, then_listen=(self.ingest_mode == "shared"
+        self._sync_subscriptions(client, then_listen=(self.plan.mode == "shared"
                                                       or self._ingest_lock is None))
         self.connected.set()
         self._wake_outbox()  # what came due while we were away
@@ -647,7 +467,7 @@ class Bridge:
                 deaf = [topic for topic, rc in zip(awaited[1], reason_codes, strict=False)
                         if getattr(rc, "is_failure", False) and topic != BROKER_DROPPED_TOPIC]
                 if not deaf:  # (refused inbound filters are logged below)
-                    self._probe_nonce = secrets.token_hex(8)  # a new chain from here
+                    self.probes.renew()  # a new chain from here
                     self.listening.set()
                     self._last_hearing = 0.0  # say so on the owner's next turn
         refused = [rc for rc in reason_codes if getattr(rc, "is_failure", False)]
@@ -655,48 +475,17 @@ class Bridge:
             return
         log.error("MQTT broker refused %d of the bridge's subscriptions: %s", len(refused),
                   ", ".join(sorted({str(rc) for rc in refused})))
-        if (any(rc.value == 0x9E for rc in refused) and self.ingest_mode == "shared"
-                and self.ingest_setting == "auto"):
-            self._shares_refused = True
+        if (any(rc.value == 0x9E for rc in refused) and self.plan.mode == "shared"
+                and self.plan.setting == "auto"):
+            self.plan.shares_refused = True
             self._ingest_mode_decide()
             self._sync_subscriptions(client, then_listen=True)
-
-    def _legacy_sessions_end(self) -> None:
-        for legacy in dict.fromkeys(legacy_client_ids(self.node_id, self.instance)):
-            if legacy != self.client_id:
-                self._legacy_session_end(legacy)
-
-    def _legacy_session_end(self, legacy: str) -> None:
-        """End the persistent session an earlier version left under the id it used then
-        (`legacy_client_ids`): left alone, it would keep its subscriptions, and with them a
-        share of the console's messages queued where no bridge reads them, until it
-        expires. Connecting once with a clean start ends it; a broker that cannot be
-        reached now is tried again at the next start."""
-        client = mqtt_client(target=self.target, client_id=legacy, clean_session=True)
-        answered = threading.Event()
-        client.on_connect = lambda *args: answered.set()
-        try:
-            if self.v5:
-                props = Properties(PacketTypes.CONNECT)
-                props.SessionExpiryInterval = 0
-                client.connect(self.target.host, self.target.port, keepalive=10,
-                               clean_start=True, properties=props)
-            else:
-                client.connect(self.target.host, self.target.port, keepalive=10)
-            client.loop_start()
-            if answered.wait(5):
-                log.info("ended any MQTT session left under the earlier client id %s "
-                         "(this bridge is %s now)", legacy, self.client_id)
-            client.disconnect()
-            client.loop_stop()
-        except (OSError, ValueError, mqtt.WebsocketConnectionError) as exc:
-            log.debug("could not end the session of %s now: %s", legacy, exc)
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         was_connected = self.connected.is_set()
         self.connected.clear()
         self.listening.clear()
-        self._probe_nonce = ""  # nothing of this connection proves anything any more
+        self.probes.forget()
         # Closed within seconds of every CONNACK: what a broker does to the older of two
         # clients with one id, saying why only in MQTT 5 (142) and not always then.
         lasted = time.monotonic() - self._connected_at if was_connected else None
@@ -720,16 +509,16 @@ class Bridge:
             return
         # Blocks when the owner is behind: paho stops reading and the broker keeps the rest.
         if message.topic == self.probe_topic:
-            probe = _probe_decode(message.payload)
+            probe = probe_decode(message.payload)
             if probe is not None:
-                self._probe_back = time.monotonic()
+                self.probes.noted_back()
                 # In line with what was received before it: it proves those are stored.
                 self._work.put(probe)
             else:
                 self.counts["probe_malformed"] += 1
             return
         ids = getattr(message.properties, "SubscriptionIdentifier", None) or ()
-        copy = PLAIN_INBOX_SID in ids and bool(self._plain_inbox())
+        copy = PLAIN_INBOX_SID in ids and bool(self.plan.plain_inbox())
         self._work.put(_Received(message.topic, message.payload, message.mid, message.qos,
                                  self.generation, time.time(), copy))
 
@@ -778,7 +567,7 @@ class Bridge:
         """One turn of the owner loop; returns whether it found work."""
         items = self._take(wait)
         received = [i for i in items if isinstance(i, _Received)]
-        probes = [i for i in items if isinstance(i, _Probe)]
+        probes = [i for i in items if isinstance(i, Probe)]
         # PUBACKs first: a receiver's answer cannot precede the broker taking the request,
         # and the record should not say so.
         confirms = self._drain_confirms()
@@ -791,7 +580,7 @@ class Bridge:
             if received:
                 self._ingest(received)
         if probes:
-            self._probes_back(probes)  # after the ingest: what came before them is stored
+            self.probes.back(probes)  # after the ingest: what came before them is stored
         now = time.monotonic()
         found = bool(items)
         self._guard_db(lambda: self._ingest_lock_turn(now))
@@ -844,27 +633,19 @@ class Bridge:
         is behind (paho then stops reading, probes included), and not for time it spent away
         (a database outage): only a probe that was sent and never answered counts."""
         client = self._client
-        if client is None or not self._probe_nonce:
+        if client is None or not self.probes.nonce:
             return
-        if self._probe_back >= self._waiting_since:
-            self._waiting_since = now  # everything before this one came back
-        waited = now - max(self._waiting_since, self._connected_at)
+        waited = self.probes.unanswered_for(now, connected_at=self._connected_at)
         if waited >= self.keepalive_s and self._work.qsize() < self.batch:
             self._connection_dead(client, waited)
             return
-        self._probe_seq += 1
-        self._probes_out[self._probe_seq] = (self._probe_nonce, timezone.now())
-        while len(self._probes_out) > PROBES_KEPT:
-            self._probes_out.popitem(last=False)
-        payload = json.dumps({"nonce": self._probe_nonce, "seq": self._probe_seq}).encode()
-        client.publish(self.probe_topic, payload, qos=0)
+        client.publish(self.probe_topic, self.probes.send(), qos=0)
 
     def _connection_dead(self, client: mqtt.Client, waited: float) -> None:
         self.counts["probe_timeouts"] += 1
         log.error("no probe came back through the MQTT broker for %.0f s (MQTT_KEEPALIVE_S=%d):"
                   " the connection is dead though open; reconnecting", waited, self.keepalive_s)
-        self._waiting_since = time.monotonic()  # one reconnect per keepalive, not per turn
-        self._probe_nonce = ""  # the next SUBACK starts the next chain
+        self.probes.broken(time.monotonic())  # the next SUBACK starts the next chain
         sock = client.socket()
         if isinstance(sock, socket.socket):
             try:
@@ -876,29 +657,14 @@ class Bridge:
             except OSError:
                 pass
 
-    def _probes_back(self, probes: list[_Probe]) -> None:
-        """Owner thread, after the ingest of what came with them: extend the chain, or start
-        a new one. Only probes this bridge sent since the broker last granted its
-        subscriptions count; one missing (QoS 0 dropped: so may heartbeats have been) breaks
-        the chain, as does a new connection (what was published in between may be gone)."""
-        for probe in probes:
-            sent = self._probes_out.pop(probe.seq, None)
-            if sent is None or sent[0] != probe.nonce or probe.nonce != self._probe_nonce:
-                continue  # not ours, or from before the subscriptions it proves
-            heard = self._heard
-            if heard is None or heard[3] != probe.nonce or probe.seq != heard[2] + 1:
-                self._heard = (sent[1], sent[1], probe.seq, probe.nonce)
-            else:
-                self._heard = (heard[0], sent[1], probe.seq, probe.nonce)
-
     def _report_hearing(self) -> None:
         """Whether the console hears the bus decides whether leases may run out, and up to
         when it may judge anyone's silence (roster/hearing.py): the chain of probes back.
         A standby (single mode, without the ingest lock) hears nothing of the bus: if it
         reported, leases could run out while nobody ingests their heartbeats."""
-        heard = self._heard
-        if (self.connected.is_set() and self._ingesting and self.listening.is_set()
-                and heard is not None and heard[3] == self._probe_nonce):
+        heard = self.probes.heard
+        if (self.connected.is_set() and self.plan.ingesting and self.listening.is_set()
+                and heard is not None):
             hearing_record(instance=self.client_id, since=heard[0], through=heard[1])
             self._hearing = True
         elif self._hearing:
@@ -980,9 +746,7 @@ class Bridge:
         if result.to_publish:
             self._outbox_due.set()  # answers and freed work: publish them on this turn
 
-    def _ingest_one_by_one(self, batch: list[Incoming]):
-        from messages.inbound import IngestResult
-
+    def _ingest_one_by_one(self, batch: list[Incoming]) -> IngestResult:
         total = IngestResult()
         for item in batch:
             try:

@@ -69,7 +69,7 @@ def connack_caps(*, v5: bool, properties, requested_expiry_s: int) -> dict:
     expiry = getattr(properties, "SessionExpiryInterval", requested_expiry_s)
     identifiers = getattr(properties, "SubscriptionIdentifierAvailable", 1)
     return {"mqtt5": True, "shared_subscriptions": bool(shared), "session_expiry": expiry,
-            # Only a broker that shares needs them (messages/bridge.py, the own inbox).
+            # Only a broker that shares needs them (messages/subscriptions.py, the own inbox).
             "subscription_identifiers": bool(identifiers) if shared else None}
 
 

@@ -9,7 +9,7 @@ back are released.
 
 It also holds the marks stand-in copies leave (`copies_stood_in`): a publish to the console's
 own inbox reaches a bridge through the shared group and, as a stand-in, through each bridge's
-plain subscription (messages/bridge.py). When a stand-in is stored first, the group's copy
+plain subscription (messages/subscriptions.py). When a stand-in is stored first, the group's copy
 that follows must not be taken for a repeat of it; the mark says so, once.
 
 Left as it is: if the claiming transmission is lost for good (a crash before commit *and* a

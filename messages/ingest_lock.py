@@ -11,14 +11,23 @@ lost network), with no TTL to wait out.
 
 SQLite (the embedded single-process mode) has no second process to share with: there the
 lock is always held.
+
+When the lock's connection fails, `hold()` tells two cases apart. If the bridge's own
+connection to the database fails too, the database is away: nobody stores anything then,
+and nobody can be known to hold the lock (UNKNOWN). If the database answers the bridge, the
+lock's connection alone was refused (too many clients): that is no outage, and the bridge
+must act as one without the lock (NOT_HELD), or two bridges could ingest.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import logging
 
 from django.db import connections
+
+from reachconsole.core.outages import database_unanswered
 
 log = logging.getLogger(__name__)
 
@@ -34,17 +43,22 @@ def lock_key(name: str) -> int:
                           "big", signed=True)
 
 
+class Hold(enum.Enum):
+    HELD = "held"
+    NOT_HELD = "not held"  # another bridge holds it, or its connection alone was refused
+    UNKNOWN = "unknown"  # the database is away: nobody can be known to hold it
+
+
 class IngestLock:
     """`hold()` (owner thread, every second or so) tries to take the lock, or checks that the
-    one held is still held; `release()` lets it go."""
+    one held is still held; `release()` lets it go. `unreachable`: why the lock's own
+    connection failed on the last `hold()` ("" when it answered)."""
 
     def __init__(self, *, name: str, alias: str = "default"):
         self.name = name
         self.key = lock_key(name)
         self.alias = alias
         self._conn = None  # psycopg connection holding the lock; None when not held
-        # Why the last hold() could not ask the database ("" when it answered): then nobody
-        # can be known to hold the lock, this bridge included.
         self.unreachable = ""
         self.vendor = connections[alias].vendor
         self.what = ("none needed: SQLite runs one process" if self.vendor != "postgresql"
@@ -54,11 +68,12 @@ class IngestLock:
     def held(self) -> bool:
         return self.vendor != "postgresql" or self._conn is not None
 
-    def hold(self) -> bool:
-        """Whether this bridge holds the lock now. Never raises for a database outage: an
-        unreachable database means not holding (another bridge may hold it)."""
+    def hold(self) -> Hold:
+        """Whether this bridge holds the lock now (see the module's docstring). Never raises
+        for a database outage. Asks the bridge's own connection (this thread's) only when
+        the lock's failed."""
         if self.vendor != "postgresql":
-            return True
+            return Hold.HELD
         import psycopg
 
         self.unreachable = ""
@@ -66,7 +81,7 @@ class IngestLock:
             if self._conn is not None:
                 # A round trip proves the session (and so the lock) is still alive.
                 self._conn.execute("SELECT 1")
-                return True
+                return Hold.HELD
             conn = psycopg.connect(**self._params(), autocommit=True, connect_timeout=5)
             try:
                 row = conn.execute("SELECT pg_try_advisory_lock(%s)", (self.key,)).fetchone()
@@ -75,15 +90,15 @@ class IngestLock:
                 raise
             if row and row[0]:
                 self._conn = conn
-                return True
+                return Hold.HELD
             conn.close()
-            return False
+            return Hold.NOT_HELD
         except psycopg.Error as exc:
             if self._conn is not None:
                 log.warning("lost the ingest lock with its database connection: %s", exc)
             self.unreachable = str(exc).strip() or type(exc).__name__
             self._drop()
-            return False
+            return Hold.UNKNOWN if database_unanswered(self.alias) else Hold.NOT_HELD
 
     def release(self) -> None:
         if self._conn is None:

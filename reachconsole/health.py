@@ -14,6 +14,7 @@ from prometheus_client.exposition import choose_encoder
 
 from reachconsole.collector import registry
 from reachconsole.core.metrics import FLUSH_EVERY_S, DeliveryRate, delivery_rate
+from reachconsole.core.outages import database_unanswered
 
 
 @require_GET
@@ -24,13 +25,8 @@ def healthz(request: HttpRequest) -> JsonResponse:
 
 
 def _check_database() -> tuple[bool, str]:
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT 1")
-            cursor.fetchone()
-        return True, connection.vendor
-    except Exception as exc:  # any driver error means "not ready", with its words
-        return False, f"{type(exc).__name__}: {exc}"
+    unanswered = database_unanswered()  # any driver error means "not ready", with its words
+    return (False, unanswered) if unanswered else (True, connection.vendor)
 
 
 def _check_redis() -> tuple[bool, str]:

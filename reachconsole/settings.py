@@ -288,7 +288,7 @@ if set(REACH_BRIDGE_SHARE_GROUP) & set("/+#"):
     raise ImproperlyConfigured(f"REACH_BRIDGE_SHARE_GROUP={REACH_BRIDGE_SHARE_GROUP!r}: a "
                                "shared-subscription group name has no '/', '+' or '#'")
 # auto: shared where the broker allows it, else one active bridge (an advisory lock in
-# PostgreSQL); shared / single force either (messages/bridge.py INGEST_CHOICES).
+# PostgreSQL); shared / single force either (messages/subscriptions.py INGEST_CHOICES).
 REACH_BRIDGE_INGEST = env_str("REACH_BRIDGE_INGEST", "auto")
 if REACH_BRIDGE_INGEST not in {"auto", "shared", "single"}:
     raise ImproperlyConfigured(f"REACH_BRIDGE_INGEST={REACH_BRIDGE_INGEST!r}: use auto, shared "

@@ -63,7 +63,7 @@ STACK_CONSOLE_ID = "reach-stack"
 
 
 def bridge_client_id(instance: str = "1") -> str:
-    """A bridge's MQTT client id in the stack (messages.bridge.client_id_for)."""
+    """A bridge's MQTT client id in the stack (messages.client_ids.client_id_for)."""
     return f"{STACK_CONSOLE_ID}-console-{instance}"
 
 

@@ -401,7 +401,7 @@ def test_broker_drops_raise_an_alarm_on_the_roster_page(mqtt_settings, admin_cli
     """Mosquitto's $SYS drop counter is the only place such losses show."""
     import paho.mqtt.client as mqtt
 
-    from messages.bridge import BROKER_DROPPED_TOPIC
+    from messages.subscriptions import BROKER_DROPPED_TOPIC
     from reachconsole.core.broker_drops import broker_drops_forget
 
     broker_drops_forget()
@@ -460,7 +460,7 @@ def test_two_consoles_on_one_broker_keep_their_own_sessions(mqtt_settings, caplo
     "disconnected (Unspecified error)"."""
     import logging
 
-    from messages.bridge import client_id_for, legacy_client_ids
+    from messages.client_ids import client_id_for, legacy_client_ids
     from reachconsole.core.identity import address_identity
 
     bridges = [Bridge(url=settings.MQTT_URL, node_id="console", console_id=console,
@@ -473,7 +473,7 @@ def test_two_consoles_on_one_broker_keep_their_own_sessions(mqtt_settings, caplo
     long_ids = {client_id_for("n" * 100, str(i), "reach-cccccccccccc") for i in (1, 2)}
     assert len(long_ids) == 2 and all(len(i) <= 64 and i.endswith(("-1", "-2"))
                                       for i in long_ids)
-    with caplog.at_level(logging.INFO, logger="messages.bridge"):
+    with caplog.at_level(logging.INFO, logger="messages.client_ids"):
         for bridge in bridges:
             bridge.start()
         try:

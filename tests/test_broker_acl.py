@@ -20,8 +20,9 @@ import pytest
 from paho.mqtt.reasoncodes import ReasonCode
 
 from messages import protocol
-from messages.bridge import BROKER_DROPPED_TOPIC, Bridge
+from messages.bridge import Bridge
 from messages.models import Message
+from messages.subscriptions import BROKER_DROPPED_TOPIC
 from roster.models import BusHearing, ClusterNode
 from tests.conftest import expect_real_services, register
 from tests.deploy_broker import Broker, private_mosquitto

@@ -33,8 +33,9 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from messages import protocol
-from messages.bridge import BROKER_DROPPED_TOPIC, Bridge
+from messages.bridge import Bridge
 from messages.models import Direction, Message
+from messages.subscriptions import BROKER_DROPPED_TOPIC
 from tests.conftest import expect_real_services
 from tests.deploy_broker import CONF, CONSOLE_PASSWORD, CONSOLE_USER, Broker, private_mosquitto
 from tests.processes import HOST

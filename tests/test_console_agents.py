@@ -108,7 +108,7 @@ def test_on_the_bus_the_console_acks_a_request_before_it_responds(bridge, broker
                          qos=1).wait_for_publish(5)
         order: dict[str, list[str]] = {env.message_id: [] for env in requests}
         # Until every request has its response. A bridge in shared mode hears its own inbox
-        # twice (shared and plain, messages/bridge.py): still one answer of each kind.
+        # twice (shared and plain, messages/subscriptions.py): still one answer of each kind.
         while sum(kinds.count("TASK_RESPONSE") for kinds in order.values()) < len(requests):
             answer = heard.get(timeout=20)
             if answer.message_type == MT.TASK_RESPONSE:

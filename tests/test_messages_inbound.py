@@ -127,7 +127,7 @@ def test_a_heartbeat_renews_leases_records_load_and_reports_conflicts(now):
 
 
 def test_each_heartbeat_is_applied_by_the_first_bridge_that_claims_it(now):
-    """Every bridge hears every heartbeat (messages/bridge.py): one applies it, the others
+    """Every bridge hears every heartbeat (messages/subscriptions.py): one applies it, the others
     count a copy; the claimer retrying its batch after an outage still applies it."""
     register("fin.tax", "node-b", now=now)
     beat = protocol.new_envelope(

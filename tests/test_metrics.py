@@ -21,7 +21,7 @@ from django.db.models import Count, F
 from prometheus_client.parser import text_string_to_metric_families
 
 from messages import protocol
-from messages.bridge import client_id_for
+from messages.client_ids import client_id_for
 from messages.models import Direction, Message, Status, Transition
 from messages.outbound import SendRequest, messages_send
 from reachconsole.core.identity import console_id

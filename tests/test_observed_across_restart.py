@@ -104,14 +104,14 @@ def test_what_a_node_publishes_before_the_bridge_is_back_is_kept_by_a_plain_subs
     broker = PersistentMosquitto()
     bridge = Bridge(url=broker.url, node_id="console", prefix=PREFIX,
                     instance=f"obs-{uuid.uuid4().hex[:6]}", protocol_version="5",
-                    heartbeat_ms=60_000, ingest=ingest)
+                    heartbeat_ms=60_000, ingest=ingest,
+                    # It comes back no sooner than 8 s after it lost the broker: the node's
+                    # publishes below all fall in the gap, however slow the machine.
+                    reconnect_delay_s=(8, 8))
     try:
         broker.start()
         bridge.start()
         assert bridge.wait_connected(15) and bridge.ingest_mode == ingest
-        # The bridge comes back no sooner than 8 s after it lost the broker: the node's
-        # publishes below all fall in the gap, however slow the machine.
-        bridge._client.reconnect_delay_set(min_delay=8, max_delay=8)
         first = _observed(20)
         _publish_all(broker.port, first)
         eventually(lambda: _stored(first) == 20, 20, "the first 20 observed messages stored")

@@ -1,6 +1,6 @@
 """One message in, one answer out, one count: the console's own inbox is heard by every bridge
 twice, through the shared group and through a plain subscription of its own that outlives a
-broker restart (messages/bridge.py "what each bridge subscribes to"). Two real bridges in
+broker restart (messages/subscriptions.py). Two real bridges in
 shared mode on a private Mosquitto, the console's and a node's accounts."""
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_two_bridges_answer_each_publish_once_and_count_it_once(broker, settings
         for bridge in bridges:
             assert bridge.wait_connected(15)
             assert bridge.listening.wait(15), "the bridge never had its subscriptions granted"
-            assert bridge.ingest_mode == "shared" and bridge._plain_inbox() == inbox
+            assert bridge.ingest_mode == "shared" and bridge.plan.plain_inbox() == inbox
         served = [_request("ops.probe") for _ in range(12)]
         refused = [_request("ops.nosuchagent") for _ in range(4)]
         for env in served + refused:

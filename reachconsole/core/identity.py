@@ -91,7 +91,7 @@ def identity_from(facts: str) -> str:
 
 def address_identity(db: dict) -> str:
     """The name consoles had before (a hash of how the address was spelled): bridges end the
-    broker sessions they left under it (messages/bridge.py legacy_client_ids)."""
+    broker sessions they left under it (messages/client_ids.py legacy_client_ids)."""
     where = f"{db.get('HOST') or ''}:{db.get('PORT') or ''}/{db.get('NAME')}"
     return "reach-" + hashlib.sha256(where.encode()).hexdigest()[:12]
 

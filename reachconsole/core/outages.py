@@ -12,7 +12,7 @@ import kombu.exceptions
 import psycopg
 import psycopg_pool
 import redis.exceptions
-from django.db import InterfaceError, OperationalError
+from django.db import InterfaceError, OperationalError, connections
 
 DATABASE = "database"
 DATABASE_WAIT = "database-wait"
@@ -53,3 +53,20 @@ def unavailable_reason(exc: BaseException | None) -> str | None:
             return DATABASE_WAIT
         return DATABASE if text.startswith(_SQLITE_DOWN) else None
     return None
+
+
+def database_unanswered(alias: str = "default") -> str:
+    """"" when this thread's connection to the database `alias` answers a round trip, else
+    why not, in the driver's words: what readiness reports, and what tells a bridge that
+    cannot reach its ingest lock whether the database itself is away
+    (messages/ingest_lock.py)."""
+    db = connections[alias]
+    try:
+        if db.errors_occurred:
+            db.close_if_unusable_or_obsolete()  # a broken connection is not asked again
+        with db.cursor() as cursor:
+            cursor.execute("SELECT 1")
+            cursor.fetchone()
+        return ""
+    except Exception as exc:  # noqa: BLE001 - any driver error means "does not answer"
+        return f"{type(exc).__name__}: {exc}"
