@@ -89,7 +89,7 @@ class Incoming:
     # up by a database outage is stored. Not part of its identity (copies are stored once).
     received_at: datetime | None = field(default=None, compare=False)
     # Through the plain own-inbox subscription, beside the shared group's copy of the same
-    # publish (messages/bridge.py "what each bridge subscribes to"): a stand-in only. Stored
+    # publish (messages/subscriptions.py): a stand-in only. Stored
     # and acted on when it is the first copy to arrive; never answered, counted or refused
     # as a repeat, since the group's copy is the one that speaks for the publish.
     copy: bool = field(default=False, compare=False)
@@ -109,7 +109,7 @@ def _is_self(env: protocol.Envelope, node_id: str) -> bool:
     return env.from_agent_id == node_id or env.from_agent_id in LOCAL_HANDLERS
 
 
-# How long a heartbeat's first copy is remembered (messages/bridge.py: every bridge hears
+# How long a heartbeat's first copy is remembered (messages/subscriptions.py: every bridge hears
 # every heartbeat): far longer than copies take to arrive, short enough to stay small.
 HEARTBEAT_SEEN_S = 60
 
@@ -190,19 +190,55 @@ def _signature_refused(refusals: dict[str, str], *, node: str, what: str,
         refusals[node] = f"{what}: {words}"[:300]
 
 
+@dataclass
+class _Decoded:
+    """One batch, decoded and judged (step 1 and 2), before anything is stored."""
+    rows: list[ReceivedRow] = field(default_factory=list)
+    heartbeats: list[tuple[str, protocol.Envelope]] = field(default_factory=list)
+    signed: dict[int, bool] = field(default_factory=dict)  # by id() of a heartbeat's envelope
+    refusals: dict[str, str] = field(default_factory=dict)  # node → why one speaking for it
+    rejected: list[protocol.Rejection] = field(default_factory=list)  # requests to us refused
+    copies: set[int] = field(default_factory=set)  # id() of rows that came as a stand-in
+
+
 def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
                     now: datetime | None = None, receiver: str = "") -> IngestResult:
     """`receiver`: the bridge storing the batch (its client id), which heartbeats are
-    claimed for (heartbeats_first_copy); "" applies every heartbeat."""
+    claimed for (heartbeats_first_copy); "" applies every heartbeat.
+
+    One straight pass: decode and judge the batch, apply its heartbeats (and the refusals
+    of what spoke for a node), its drains, then store its messages, act on them, apply the
+    changes and write the answers in one transaction (`_ingest_rows`), and last move what
+    BUSY sent elsewhere."""
     now = now or timezone.now()
     result = IngestResult()
     counts = result.counts
-    rows: list[ReceivedRow] = []
-    heartbeats: list[tuple[str, protocol.Envelope]] = []
-    signed: dict[int, bool] = {}  # by id() of a heartbeat's envelope: whether it was signed
-    refusals: dict[str, str] = {}  # node → why a message speaking for it was refused
-    rejected: list[protocol.Rejection] = []  # requests to us the decoder refused
-    copies: set[int] = set()  # id() of rows that came as a stand-in copy (Incoming.copy)
+    decoded = _batch_decode(batch, node_id=node_id, prefix=prefix, now=now, counts=counts)
+    _heartbeats_apply(decoded, receiver=receiver, now=now, counts=counts)
+    # Before the batch, in transactions of their own: a DRAIN takes roster locks, which the
+    # batch must not take while it holds message rows (messages/backpressure.py, the lock order).
+    # Its answer is written by the batch, so it leaves only after the drain committed.
+    drains = _drains_apply(decoded.rows, now=now, counts=counts)
+    claims: list[tuple[str, str]] = []
+    try:
+        _ingest_rows(decoded.rows, node_id=node_id, now=now, result=result, claims=claims,
+                     rejected=decoded.rejected, drains=drains, copies=decoded.copies)
+    except BaseException:
+        idempotency_release(node_id=node_id, claims=claims)
+        raise
+    for pk in result.busy:
+        # Each in a transaction of its own, after the batch's: a new attempt takes its
+        # task's lock first (messages/backpressure.py, the lock order), which a transaction already
+        # holding message and load rows must not wait for.
+        atomic_retrying(lambda pk=pk: _reroute(pk, now=now, result=result))
+    return result
+
+
+def _batch_decode(batch: list[Incoming], *, node_id: str, prefix: str, now: datetime,
+                  counts: Counter) -> _Decoded:
+    """Steps 1 and 2: each message decoded, refused with its reason or dropped as our own,
+    and sorted into heartbeats and rows; nothing written."""
+    out = _Decoded()
     for item in batch:
         match = protocol.parse_topic(prefix, item.topic)
         if match is None:
@@ -221,30 +257,13 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
             if (match.kind == "inbox" and match.node_id == node_id
                     and env.message_type in REQUESTS and env.message_id
                     and env.origin_node_id and env.origin_node_id != node_id):
-                rejected.append(env)
+                out.rejected.append(env)
             continue
         if _is_self(env, node_id):
             counts["dropped_self"] += 1
             continue
         if match.kind == "heartbeat":
-            if env.message_type != MT.HEARTBEAT:
-                counts["rejected:not_a_heartbeat"] += 1
-                _log_once_a_minute("not_a_heartbeat", f"{env.message_type} on {item.topic}")
-                continue
-            if not NODE_ID_RE.fullmatch(match.node_id):
-                # A topic level MQTT allows but no node can be named (the roster's rule):
-                # refused here, not by the roster in the middle of the batch's heartbeats.
-                counts["rejected:invalid_node_id"] += 1
-                _log_once_a_minute("invalid_node_id", f"heartbeat on {item.topic[:200]}")
-                continue
-            verdict = _heartbeat_verdict(env, match.node_id, now=item.received_at or now)
-            refusal = signing.signature_refusal(verdict, strict=settings.REACH_REQUIRE_SIGNED)
-            if refusal:
-                _signature_refused(refusals, node=match.node_id, what="a heartbeat",
-                                   verdict=verdict, words=refusal, counts=counts)
-                continue
-            heartbeats.append((match.node_id, env))
-            signed[id(env)] = verdict.signed
+            _heartbeat_judge(env, match.node_id, item=item, now=now, out=out, counts=counts)
             continue
         direction = Direction.RECV if match.node_id == node_id else Direction.OBSERVED
         row = received_row(env, topic=item.topic, direction=direction, now=now)
@@ -252,46 +271,59 @@ def messages_ingest(*, batch: list[Incoming], node_id: str, prefix: str,
                                            and env.message_type in REQUESTS):
             # A stand-in's refusal is on its row if it is stored first; counted once, by the
             # group's copy.
-            _signature_judge(row, env, refusals=refusals,
+            _signature_judge(row, env, refusals=out.refusals,
                              counts=Counter() if item.copy else counts)
-        rows.append(row)
+        out.rows.append(row)
         if item.copy:
-            copies.add(id(row))
+            out.copies.add(id(row))
+    return out
 
+
+def _heartbeat_judge(env: protocol.Envelope, node: str, *, item: Incoming, now: datetime,
+                     out: _Decoded, counts: Counter) -> None:
+    if env.message_type != MT.HEARTBEAT:
+        counts["rejected:not_a_heartbeat"] += 1
+        _log_once_a_minute("not_a_heartbeat", f"{env.message_type} on {item.topic}")
+        return
+    if not NODE_ID_RE.fullmatch(node):
+        # A topic level MQTT allows but no node can be named (the roster's rule): refused
+        # here, not by the roster in the middle of the batch's heartbeats.
+        counts["rejected:invalid_node_id"] += 1
+        _log_once_a_minute("invalid_node_id", f"heartbeat on {item.topic[:200]}")
+        return
+    verdict = _heartbeat_verdict(env, node, now=item.received_at or now)
+    refusal = signing.signature_refusal(verdict, strict=settings.REACH_REQUIRE_SIGNED)
+    if refusal:
+        _signature_refused(out.refusals, node=node, what="a heartbeat", verdict=verdict,
+                           words=refusal, counts=counts)
+        return
+    out.heartbeats.append((node, env))
+    out.signed[id(env)] = verdict.signed
+
+
+def _heartbeats_apply(decoded: _Decoded, *, receiver: str, now: datetime,
+                      counts: Counter) -> None:
+    """The batch's heartbeats (the first copy of each: every bridge hears them all) and the
+    refusals of what spoke for a node, in their own short transaction: they lock roster
+    rows, which the message batch should not hold while it waits for message rows (lock
+    order, no deadlocks)."""
+    heartbeats = decoded.heartbeats
     if heartbeats:
         heartbeats = heartbeats_first_copy(heartbeats=heartbeats, receiver=receiver,
                                            counts=counts)
-    if heartbeats or refusals:
-        # Their own short transaction: they lock roster rows, which the message batch
-        # should not hold while it waits for message rows (lock order, no deadlocks).
-        with transaction.atomic():
-            for hb_node, env in heartbeats:
-                try:
-                    with transaction.atomic():  # one refused heartbeat leaves the others
-                        _heartbeat(hb_node, env, now=now, counts=counts,
-                                   signed=signed[id(env)])
-                except RosterError as exc:
-                    counts["rejected:heartbeat_refused"] += 1
-                    _log_once_a_minute("heartbeat_refused", f"from {hb_node}: {exc.detail}")
-            if refusals:
-                nodes_signature_refused(refused=refusals, now=now)
-    # Before the batch, in transactions of their own: a DRAIN takes roster locks, which the
-    # batch must not take while it holds message rows (messages/backpressure.py, the lock order).
-    # Its answer is written by the batch, so it leaves only after the drain committed.
-    drains = _drains_apply(rows, now=now, counts=counts)
-    claims: list[tuple[str, str]] = []
-    try:
-        _ingest_rows(rows, node_id=node_id, now=now, result=result, claims=claims,
-                     rejected=rejected, drains=drains, copies=copies)
-    except BaseException:
-        idempotency_release(node_id=node_id, claims=claims)
-        raise
-    for pk in result.busy:
-        # Each in a transaction of its own, after the batch's: a new attempt takes its
-        # task's lock first (messages/backpressure.py, the lock order), which a transaction already
-        # holding message and load rows must not wait for.
-        atomic_retrying(lambda pk=pk: _reroute(pk, now=now, result=result))
-    return result
+    if not heartbeats and not decoded.refusals:
+        return
+    with transaction.atomic():
+        for hb_node, env in heartbeats:
+            try:
+                with transaction.atomic():  # one refused heartbeat leaves the others
+                    _heartbeat(hb_node, env, now=now, counts=counts,
+                               signed=decoded.signed[id(env)])
+            except RosterError as exc:
+                counts["rejected:heartbeat_refused"] += 1
+                _log_once_a_minute("heartbeat_refused", f"from {hb_node}: {exc.detail}")
+        if decoded.refusals:
+            nodes_signature_refused(refused=decoded.refusals, now=now)
 
 
 def _reroute(pk: int, *, now: datetime, result: IngestResult) -> None:
@@ -308,6 +340,7 @@ def _reroute(pk: int, *, now: datetime, result: IngestResult) -> None:
 def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result: IngestResult,
                  claims: list[tuple[str, str]], rejected: list[protocol.Rejection],
                  drains: dict[str, DrainAnswer], copies: set[int]) -> None:
+    """Steps 3 and 4 in one transaction, in order: store, act, apply, answer, emit."""
     if not rows and not rejected:
         return
     counts = result.counts
@@ -315,76 +348,102 @@ def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result
     # every message and load row the batch takes (messages/backpressure.py, the lock order).
     ledger = Ledger()
     with transaction.atomic():
-        duplicates, rows = _split_duplicates(rows, node_id=node_id, claims=claims)
-        fresh = messages_insert_new(rows, ledger=ledger)
+        fresh, replies = _store(rows, node_id=node_id, now=now, claims=claims,
+                                rejected=rejected, copies=copies, counts=counts,
+                                ledger=ledger)
         counts["stored"] += len(fresh)
         result.stored = len(fresh)
-        replies: list[Message] = []
-        inserted = {id(row) for row in fresh}
-        # A key claimed here for a row that was stored already (a copy of a request whose
-        # stored first copy was refused, and gave its key back) is not this row's to keep:
-        # the sender's corrected request must still run.
-        claimed = set(claims)
-        again = [(r.idempotency_key, r.message_id) for r in rows if id(r) not in inserted
-                 and (r.idempotency_key, r.message_id) in claimed]
-        if again:
-            idempotency_release(node_id=node_id, claims=again)
-            claims[:] = [c for c in claims if c not in set(again)]
-        repeats = _repeats(rows, fresh=fresh, inserted=inserted, copies=copies,
-                           node_id=node_id, counts=counts)
-        counts["duplicate_message_id"] += len(repeats)
-        # PROTOCOL.md rule 3: a repeated idempotency key, or a repeated messageId, is not run
-        # again and is answered ACK `duplicate: true`.
-        counts["inbox_copies"] += sum(id(row) in copies for row in duplicates)
-        duplicates = [row for row in duplicates if id(row) not in copies]
-        counts["duplicate_idempotency_key"] += len(duplicates)
-        for row in duplicates + [r for r in repeats if r.direction == Direction.RECV
-                                 and r.message_type in REQUESTS]:
-            ack = reply_row(to=row, message_type=MT.ACK, payload={"duplicate": True}, now=now,
-                            extra_headers={"ackFor": row.message_id})
-            if ack:
-                replies.append(ack)
-        for rejection in rejected:
-            nack = rejection_reply_row(rejection=rejection, now=now)
-            if nack:
-                counts["rejected_nacked"] += 1
-                replies.append(nack)
         acts = _Acts(now=now, drains=drains)
         for row in fresh:
             _act(row, acts)
         if acts.unclaim:
             transaction.on_commit(lambda: idempotency_release(node_id=node_id,
                                                               claims=acts.unclaim))
-        replies += acts.replies
-        changes = acts.changes
-        _retry_retryable_nacks(changes, now=now)
-        applied = changes_apply(changes, now=now, ledger=ledger)
-        refused = _answers_refused(applied.refused, acts.answers, counts=counts)
-        for response in acts.responses:
-            # A response is acknowledged as received, even a late one (its sender stops
-            # resending it); one that was refused is not: it was not accepted.
-            if response.pk not in refused:
-                ack = reply_row(to=response, message_type=MT.ACK, payload={}, now=now,
-                                extra_headers={"ackFor": response.message_id})
-                if ack:
-                    replies.append(ack)
+        changed = _apply(acts, now=now, ledger=ledger, result=result)
+        sent = messages_insert_new(replies + acts.replies + changed.acks, ledger=ledger)
+        result.to_publish += [reply.pk for reply in sent]
+        ledger.write()
         events: list[dict] = []
         for row in fresh:
             events += message_events(row, previous="")
-        events += applied.events
-        counts["stale_answers"] += applied.skipped
-        result.busy += [m.pk for m in applied.messages
-                        if m.status == Status.BUSY and m.direction == Direction.SEND]
-        if applied.freed:
-            publish, undeliverable = held_release(agent_ids=applied.freed, now=now)
-            result.to_publish += publish
-            events += changes_apply(undeliverable, now=now, ledger=ledger).events
-        sent = messages_insert_new(replies, ledger=ledger)
+        events += changed.events
         for reply in sent:
             events += message_events(reply, previous="")
-        result.to_publish += [reply.pk for reply in sent]
-        ledger.write()
         events_on_commit(events)
+
+
+def _store(rows: list[ReceivedRow], *, node_id: str, now: datetime,
+           claims: list[tuple[str, str]], rejected: list[protocol.Rejection],
+           copies: set[int], counts: Counter, ledger: Ledger
+           ) -> tuple[list[ReceivedRow], list[Message]]:
+    """Each message stored once (rule 3). Returns the rows this call inserted, and the
+    answers to what is not run: a repeated idempotency key or messageId gets ACK
+    `duplicate: true`, a request the decoder refused its NACK."""
+    duplicates, rows = _split_duplicates(rows, node_id=node_id, claims=claims)
+    fresh = messages_insert_new(rows, ledger=ledger)
+    inserted = {id(row) for row in fresh}
+    # A key claimed here for a row that was stored already (a copy of a request whose
+    # stored first copy was refused, and gave its key back) is not this row's to keep:
+    # the sender's corrected request must still run.
+    claimed = set(claims)
+    again = [(r.idempotency_key, r.message_id) for r in rows if id(r) not in inserted
+             and (r.idempotency_key, r.message_id) in claimed]
+    if again:
+        idempotency_release(node_id=node_id, claims=again)
+        claims[:] = [c for c in claims if c not in set(again)]
+    repeats = _repeats(rows, fresh=fresh, inserted=inserted, copies=copies,
+                       node_id=node_id, counts=counts)
+    counts["duplicate_message_id"] += len(repeats)
+    counts["inbox_copies"] += sum(id(row) in copies for row in duplicates)
+    duplicates = [row for row in duplicates if id(row) not in copies]
+    counts["duplicate_idempotency_key"] += len(duplicates)
+    replies: list[Message] = []
+    for row in duplicates + [r for r in repeats if r.direction == Direction.RECV
+                             and r.message_type in REQUESTS]:
+        ack = reply_row(to=row, message_type=MT.ACK, payload={"duplicate": True}, now=now,
+                        extra_headers={"ackFor": row.message_id})
+        if ack:
+            replies.append(ack)
+    for rejection in rejected:
+        nack = rejection_reply_row(rejection=rejection, now=now)
+        if nack:
+            counts["rejected_nacked"] += 1
+            replies.append(nack)
+    return fresh, replies
+
+
+@dataclass
+class _Applied:
+    acks: list[Message]  # the ACKs of responses that were accepted
+    events: list[dict]  # of the changes applied, and of work set free or given up
+
+
+def _apply(acts: _Acts, *, now: datetime, ledger: Ledger, result: IngestResult) -> _Applied:
+    """The changes the batch's answers make, the answers refused marked on their rows, the
+    responses accepted acknowledged, and the held work a finished one set free."""
+    counts = result.counts
+    changes = acts.changes
+    _retry_retryable_nacks(changes, now=now)
+    applied = changes_apply(changes, now=now, ledger=ledger)
+    refused = _answers_refused(applied.refused, acts.answers, counts=counts)
+    acks = []
+    for response in acts.responses:
+        # A response is acknowledged as received, even a late one (its sender stops
+        # resending it); one that was refused is not: it was not accepted.
+        if response.pk not in refused:
+            ack = reply_row(to=response, message_type=MT.ACK, payload={}, now=now,
+                            extra_headers={"ackFor": response.message_id})
+            if ack:
+                acks.append(ack)
+    events = list(applied.events)
+    counts["stale_answers"] += applied.skipped
+    result.busy += [m.pk for m in applied.messages
+                    if m.status == Status.BUSY and m.direction == Direction.SEND]
+    if applied.freed:
+        publish, undeliverable = held_release(agent_ids=applied.freed, now=now)
+        result.to_publish += publish
+        events += changes_apply(undeliverable, now=now, ledger=ledger).events
+    return _Applied(acks=acks, events=events)
 
 
 def _repeats(rows: list[ReceivedRow], *, fresh: list[ReceivedRow], inserted: set[int],
