@@ -398,6 +398,33 @@ def missing_when(missing: list[str], sent_at: list[float], faults: list[dict]
     return dict(out)
 
 
+def failed_when(failed: list, rows: dict[str, dict], faults: list[dict], started: float
+                ) -> dict:
+    """Where in the run the failed tasks were sent: by minute of the run, by the fault whose
+    window (from its start to two minutes after the service was back, a task's longest wait)
+    held their first try, and each one's times, so a failure can be read against the faults
+    and the stack's logs (REACH_KEEP_STACK=1 keeps them)."""
+    by_minute: Counter = Counter()
+    by_fault: Counter = Counter()
+    each = []
+    for sent in failed:
+        at = sent.started_at - started
+        by_minute[int(at // 60)] += 1
+        # The latest fault whose window holds it: with faults closer than two minutes
+        # apart the windows overlap, and a failure belongs to the fault it followed.
+        by_fault[next((f["fault"] for f in reversed(faults)
+                       if f["down_at"] - 0.5 <= sent.started_at <= f["up_at"] + 120),
+                      "outside any fault")] += 1
+        row = rows.get(sent.task_id, {})
+        each.append({"task": sent.task_id, "sent_s": round(at, 1),
+                     "answered_s": round(sent.answered_at - started, 1)
+                     if sent.answered_at else None,
+                     "status": row.get("status") or sent.outcome,
+                     "error": (row.get("error") or sent.detail or "")[:200]})
+    return {"by_minute": dict(sorted(by_minute.items())), "by_fault": dict(by_fault),
+            "tasks": each}
+
+
 # --- the run -------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -486,7 +513,9 @@ def main(argv: list[str] | None = None) -> int:
         "tasks": {"sent": len(sent_tasks), **{k: len(v) for k, v in outcome.items()},
                   "failed_reasons": Counter(
                       (rows.get(t.task_id, {}).get("error") or t.detail or "?")[:120]
-                      for t in outcome["failed"]).most_common(5)},
+                      for t in outcome["failed"]).most_common(5),
+                  "failed_when": failed_when(outcome["failed"], rows, faults,
+                                             sampler.started)},
         "observed": {"published": observed.published, "acked": len(observed.acked),
                      "stored_of_acked": len(observed.acked & stored),
                      "missing": missing[:20], "missing_by_fault": missing_by_fault,
@@ -526,6 +555,10 @@ def print_report(r: dict) -> None:
           + ", ".join(f"{f['fault']} at {f['at_s']} s ({f['s']} s)" for f in r["faults"]))
     print(f"tasks: {t['sent']} sent, {t['completed']} completed, {t['failed']} failed, "
           f"{t['stuck']} stuck, {t['twice']} executed twice; failed: {t['failed_reasons']}")
+    if t["failed"]:
+        w = t["failed_when"]
+        print(f"failed, by when they were sent: {w['by_fault']}; by minute of the run: "
+              f"{w['by_minute']}")
     print(f"observed: {o['published']} published, {o['acked']} acknowledged by the broker, "
           f"{o['stored_of_acked']} of those stored; not stored, by when they were published: "
           f"{o['missing_by_fault'] or 'none'}; the first: {o['missing'][:3]}")
