@@ -10,7 +10,9 @@ tests/test_fault_runs.py postgres-stall, through tests/stallproxy.py.)
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import psycopg
@@ -43,6 +45,33 @@ def bounded():
     finally:
         # The cut-off connection is broken: give it back (the pool discards it).
         connection.close()
+
+
+def test_the_watchdog_sleeps_while_nothing_runs_and_wakes_for_the_next_block():
+    """It sleeps until the earliest deadline, or with none while nothing runs; the first
+    block after an idle spell wakes it, and one that outlasts its bound is cut off. A
+    socket pair stands for the connection: the watchdog knows only its descriptor."""
+    bound = QueryBound(0.3)
+    ours, theirs = socket.socketpair()
+    ours.settimeout(10)  # a watchdog that never woke fails here instead of hanging
+    try:
+        with bound.watching(ours):
+            pass  # a query that returned at once
+        deadline = time.monotonic() + 10
+        # Past that query's deadline, with nothing running: asleep with no deadline.
+        while not (bound._sleeping_until is None and bound._thread is not None
+                   and not bound._running and bound._wake_count >= 1):
+            assert time.monotonic() < deadline, "the watchdog did not go back to sleep"
+            time.sleep(0.05)
+        woken = bound._wake_count
+        time.sleep(0.5)  # an idle spell longer than the bound: nothing wakes it
+        assert bound._wake_count == woken
+        with bound.watching(ours):
+            assert ours.recv(1) == b""  # returns only because the watchdog shut it down
+        assert bound.cut == 1
+    finally:
+        ours.close()
+        theirs.close()
 
 
 def test_a_query_past_its_bound_is_cut_off_with_a_connection_error(locker, bounded):

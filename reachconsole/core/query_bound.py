@@ -35,7 +35,6 @@ from django.conf import settings
 from django.db.backends.signals import connection_created
 
 log = logging.getLogger(__name__)
-TICK_S = 0.1
 LOG_EVERY_S = 60.0
 
 
@@ -48,6 +47,11 @@ class QueryBound:
         self.active = True  # False once uninstalled: wrappers already placed let queries be
         self.cut = 0  # queries cut off so far
         self._lock = threading.Lock()
+        # The watchdog sleeps until the earliest deadline, or until a query starts when none
+        # runs: a web process that makes no query costs it no wake-up at all.
+        self._wake = threading.Condition(self._lock)
+        self._sleeping_until: float | None = None  # None: until the next query starts
+        self._wake_count = 0  # how often it has looked, for the tests
         self._running: dict[int, tuple[float, int]] = {}  # token → (deadline, socket fd)
         self._next = 0
         self._thread: threading.Thread | None = None
@@ -73,8 +77,13 @@ class QueryBound:
         with self._lock:
             self._next += 1
             token = self._next
-            self._running[token] = (time.monotonic() + self.bound_s, fd)
+            deadline = time.monotonic() + self.bound_s
+            self._running[token] = (deadline, fd)
             self._watch()
+            # Woken only when this deadline comes before the one it sleeps for: with one
+            # bound for all, only the first query after an idle spell wakes it.
+            if self._sleeping_until is None or deadline < self._sleeping_until:
+                self._wake.notify()
         try:
             yield
         finally:
@@ -123,10 +132,10 @@ class QueryBound:
             self._thread.start()
 
     def _loop(self) -> None:
-        while True:
-            time.sleep(TICK_S)
-            now = time.monotonic()
-            with self._lock:
+        with self._lock:
+            while True:
+                self._wake_count += 1
+                now = time.monotonic()
                 # Under the lock: a query that has returned is no longer here, so a socket
                 # is only ever shut down while its query still waits on it (never after the
                 # pool has handed the connection to someone else).
@@ -135,6 +144,12 @@ class QueryBound:
                 for token in late:
                     _, fd = self._running.pop(token)
                     self._shut(fd)
+                # The earliest deadline is the oldest query's; those that ended before it
+                # cost one wake-up that finds nothing late.
+                self._sleeping_until = min(
+                    (deadline for deadline, _ in self._running.values()), default=None)
+                self._wake.wait(None if self._sleeping_until is None
+                                else self._sleeping_until - now)
 
     def _shut(self, fd: int) -> None:
         self.cut += 1
