@@ -131,8 +131,11 @@ class Observed(threading.Thread):
             to_agent_id="o2.doer" if request else "o1.asker",
             target_node_id="node-o2" if request else "node-o1",
             task_id=f"{self.prefix}-obs-{seq:08d}", conversation_id=f"soak-{seq % 50}",
+            # A response names its request (PROTOCOL.md), so the console moves the observed
+            # request to COMPLETED as it would on a real bus, instead of expiring it.
             headers={"originNodeId": "node-o1" if request else "node-o2",
-                     "replyNodeId": "node-o1" if request else "node-o2"},
+                     "replyNodeId": "node-o1" if request else "node-o2",
+                     **({} if request else {"inReplyTo": f"{self.prefix}-obs-req-{seq:08d}"})},
             payload={"seq": seq} if request else {"result": seq},
         )
         return protocol.inbox_topic(self.prefix, env.target_node_id), protocol.encode(env)
@@ -505,6 +508,11 @@ def main(argv: list[str] | None = None) -> int:
     with stack.connect_db() as conn:
         stored = {r[0] for r in conn.execute(
             "SELECT message_id FROM a2a_message WHERE message_id LIKE %s", (f"{prefix}-obs-%",))}
+        # The observed requests' outcomes: each is answered on the bus, so all COMPLETED
+        # but those whose response the broker lost (or whose timeoutMs had not passed yet).
+        observed_outcomes = dict(conn.execute(
+            "SELECT status, count(*) FROM a2a_message WHERE message_id LIKE %s "
+            "GROUP BY status", (f"{prefix}-obs-req-%",)).fetchall())
     missing = sorted(observed.acked - stored)
     missing_by_fault = missing_when(missing, observed.sent_at, faults)
     samples = sampler.samples
@@ -519,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         "observed": {"published": observed.published, "acked": len(observed.acked),
                      "stored_of_acked": len(observed.acked & stored),
                      "missing": missing[:20], "missing_by_fault": missing_by_fault,
+                     "request_outcomes": observed_outcomes,
                      "errors": dict(observed.errors)},
         "msg_per_s": round((observed.published + 4 * len(sent_tasks)) / (args.minutes * 60)),
         "sockets": [{"opens": s.opens, "frames": s.frames, "closes": dict(s.closes),
@@ -561,7 +570,8 @@ def print_report(r: dict) -> None:
               f"{w['by_minute']}")
     print(f"observed: {o['published']} published, {o['acked']} acknowledged by the broker, "
           f"{o['stored_of_acked']} of those stored; not stored, by when they were published: "
-          f"{o['missing_by_fault'] or 'none'}; the first: {o['missing'][:3]}")
+          f"{o['missing_by_fault'] or 'none'}; the first: {o['missing'][:3]}; the requests' "
+          f"outcomes: {o['request_outcomes']}")
     frames = [s["frames"] for s in r["sockets"]]
     print(f"sockets: {len(frames)}, frames {min(frames)}–{max(frames)} each, opens "
           f"{sum(s['opens'] for s in r['sockets'])}, closes "

@@ -12,11 +12,14 @@ lost network), with no TTL to wait out.
 SQLite (the embedded single-process mode) has no second process to share with: there the
 lock is always held.
 
-When the lock's connection fails, `hold()` tells two cases apart. If the bridge's own
-connection to the database fails too, the database is away: nobody stores anything then,
-and nobody can be known to hold the lock (UNKNOWN). If the database answers the bridge, the
-lock's connection alone was refused (too many clients): that is no outage, and the bridge
-must act as one without the lock (NOT_HELD), or two bridges could ingest.
+When the held lock's connection fails, `hold()` asks for the lock again on a fresh one at
+once: after a PostgreSQL restart the database usually answers again before the bridge
+notices, and the lock is free. When that connection fails, `hold()` tells two cases apart.
+If the bridge's own connection to the database fails too, the database is away: nobody
+stores anything then, and nobody can be known to hold the lock (UNKNOWN). If the database
+answers the bridge, the lock's connection alone was refused (too many clients): that is no
+outage, and the bridge must act as one without the lock (NOT_HELD), or two bridges could
+ingest.
 """
 
 from __future__ import annotations
@@ -79,9 +82,18 @@ class IngestLock:
         self.unreachable = ""
         try:
             if self._conn is not None:
-                # A round trip proves the session (and so the lock) is still alive.
-                self._conn.execute("SELECT 1")
-                return Hold.HELD
+                try:
+                    # A round trip proves the session (and so the lock) is still alive.
+                    self._conn.execute("SELECT 1")
+                    return Hold.HELD
+                except psycopg.Error as exc:
+                    # Its session ended (a PostgreSQL restart, a terminated backend): asked
+                    # for again at once, below. Answering NOT_HELD first would have the
+                    # bridge unsubscribe and subscribe again a second later, and what the
+                    # other nodes published in between would match no subscriber.
+                    log.warning("lost the ingest lock with its database connection (%s): "
+                                "asking for it again", str(exc).strip() or type(exc).__name__)
+                    self._drop()
             conn = psycopg.connect(**self._params(), autocommit=True, connect_timeout=5)
             try:
                 row = conn.execute("SELECT pg_try_advisory_lock(%s)", (self.key,)).fetchone()
@@ -94,8 +106,6 @@ class IngestLock:
             conn.close()
             return Hold.NOT_HELD
         except psycopg.Error as exc:
-            if self._conn is not None:
-                log.warning("lost the ingest lock with its database connection: %s", exc)
             self.unreachable = str(exc).strip() or type(exc).__name__
             self._drop()
             return Hold.UNKNOWN if database_unanswered(self.alias) else Hold.NOT_HELD
