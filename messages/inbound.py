@@ -97,10 +97,15 @@ class Incoming:
 
 @dataclass
 class IngestResult:
-    stored: int = 0
     to_publish: list[int] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
     busy: list[int] = field(default_factory=list)  # capability sends answered BUSY
+
+    @property
+    def stored(self) -> int:
+        """Messages stored new: the count itself, so a merged result (the bridge's
+        one-by-one retry adds up counts) says it too."""
+        return self.counts["stored"]
 
 
 def _is_self(env: protocol.Envelope, node_id: str) -> bool:
@@ -352,7 +357,6 @@ def _ingest_rows(rows: list[ReceivedRow], *, node_id: str, now: datetime, result
                                 rejected=rejected, copies=copies, counts=counts,
                                 ledger=ledger)
         counts["stored"] += len(fresh)
-        result.stored = len(fresh)
         acts = _Acts(now=now, drains=drains)
         for row in fresh:
             _act(row, acts)
