@@ -387,6 +387,14 @@ def growth(samples: list[dict], key: str) -> dict:
             "median": statistics.median(v for _, v in values)}
 
 
+def fault_at(faults: list[dict], at: float, *, after_s: float) -> str:
+    """The fault whose window (from its start to `after_s` after the service was back) holds
+    the time `at`: the latest such, where windows overlap (faults closer than `after_s`), so
+    that what went wrong is put on the fault it followed."""
+    return next((f["fault"] for f in reversed(faults)
+                 if f["down_at"] - 0.5 <= at <= f["up_at"] + after_s), "outside any fault")
+
+
 def missing_when(missing: list[str], sent_at: list[float], faults: list[dict]
                  ) -> dict[str, int]:
     """How many of the messages never stored were published during each fault (from its
@@ -395,9 +403,7 @@ def missing_when(missing: list[str], sent_at: list[float], faults: list[dict]
     for message_id in missing:
         seq = int(message_id.rsplit("-", 1)[1])
         at = sent_at[seq] if seq < len(sent_at) else 0.0
-        fault = next((f["fault"] for f in faults
-                      if f["down_at"] - 0.5 <= at <= f["up_at"] + 15), "outside any fault")
-        out[fault] += 1
+        out[fault_at(faults, at, after_s=15)] += 1
     return dict(out)
 
 
@@ -413,11 +419,7 @@ def failed_when(failed: list, rows: dict[str, dict], faults: list[dict], started
     for sent in failed:
         at = sent.started_at - started
         by_minute[int(at // 60)] += 1
-        # The latest fault whose window holds it: with faults closer than two minutes
-        # apart the windows overlap, and a failure belongs to the fault it followed.
-        by_fault[next((f["fault"] for f in reversed(faults)
-                       if f["down_at"] - 0.5 <= sent.started_at <= f["up_at"] + 120),
-                      "outside any fault")] += 1
+        by_fault[fault_at(faults, sent.started_at, after_s=120)] += 1
         row = rows.get(sent.task_id, {})
         each.append({"task": sent.task_id, "sent_s": round(at, 1),
                      "answered_s": round(sent.answered_at - started, 1)
