@@ -906,7 +906,7 @@ def measure(args: argparse.Namespace, tag: str) -> int:
         if args.bridge_nodelay:
             # Measures what TCP_NODELAY on the bridge's socket would change; the bridge itself
             # does not set it (a reconnect would drop it here: fine for a bench run).
-            result["bridge_nodelay_set"] = nodelay(bridge._client)
+            result["bridge_nodelay_set"] = nodelay(bridge.session.client)
         wait_routable(bridge.client_id)
         if sweeper:
             sweeper.thread.start()

@@ -1,6 +1,6 @@
 """What one bridge subscribes to in its ingest mode, and what it must drop: the decisions
 only (no paho, no database), so each can be read and tested alone. The bridge
-(messages/bridge.py) asks for them on each CONNACK, SUBACK and turn of the ingest lock.
+(messages/mqtt_session.py) asks for them on each CONNACK, SUBACK and turn of the ingest lock.
 """
 
 from __future__ import annotations

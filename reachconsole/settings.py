@@ -274,7 +274,7 @@ MQTT_SESSION_EXPIRY_S = env_int("MQTT_SESSION_EXPIRY_S", 3600, minimum=0)
 MQTT_MAX_QUEUED = env_int("MQTT_MAX_QUEUED", 10000, minimum=10)
 # The MQTT keepalive, and how long a bridge waits for its own probe to come back before it
 # calls an open connection dead and reconnects (a NAT, a load balancer or a paused VM that
-# drops the connection's state without closing it; messages/bridge.py).
+# drops the connection's state without closing it; messages/mqtt_session.py).
 MQTT_KEEPALIVE_S = env_int("MQTT_KEEPALIVE_S", 15, minimum=2)
 REACH_BRIDGE = env_bool("REACH_BRIDGE", True)  # run the MQTT bridge in Celery workers
 REACH_BRIDGE_INSTANCE = env_str("REACH_BRIDGE_INSTANCE", "1")

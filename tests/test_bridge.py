@@ -112,7 +112,7 @@ def test_garbage_is_counted_and_the_bridge_keeps_working(bridge, broker, client)
     eventually(lambda: Message.objects.filter(message_id=probe.message_id,
                                               status=Status.LOCAL_CONSUMED).exists(),
                what="the request after the garbage")
-    assert bridge.connected.is_set()
+    assert bridge.session.connected.is_set()
 
     def rejected():
         text = client.get("/metrics").content.decode()
@@ -413,8 +413,8 @@ def test_broker_drops_raise_an_alarm_on_the_roster_page(mqtt_settings, admin_cli
         return message
 
     for value in (b"7", b"7", b"12", b"not a number"):
-        bridge._on_message(None, None, counter(value))
-    assert bridge.dropped_total == 12 and bridge.counts["broker_dropped"] == 5
+        bridge.session._on_message(None, None, counter(value))
+    assert bridge.session.dropped_total == 12 and bridge.counts["broker_dropped"] == 5
     html = admin_client.get("/").content.decode()
     assert 'id="broker-drops"' in html and "dropped 5 messages" in html
     broker_drops_forget()
@@ -484,8 +484,8 @@ def test_two_consoles_on_one_broker_keep_their_own_sessions(mqtt_settings, caplo
                 assert time.monotonic() < deadline, caplog.text
                 time.sleep(0.1)
             time.sleep(3)  # several of the old clash's rounds: each bridge stays connected
-            assert [b.generation for b in bridges] == [1, 1]
-            assert all(b.connected.is_set() for b in bridges)
+            assert [b.session.generation for b in bridges] == [1, 1]
+            assert all(b.session.connected.is_set() for b in bridges)
         finally:
             for bridge in bridges:
                 bridge.stop()
@@ -505,13 +505,13 @@ def test_a_broker_that_closes_each_connection_at_once_is_said_to_have_another_cl
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger("messages.bridge")
+    logger = logging.getLogger("messages.mqtt_session")
     logger.addHandler(handler)
     try:
         for _ in range(3):
-            bridge.connected.set()
-            bridge._connected_at = time.monotonic()  # connected just now, as on a CONNACK
-            bridge._on_disconnect(None, None, None, 7, None)
+            bridge.session.connected.set()
+            bridge.session.connected_at = time.monotonic()  # connected just now, as on a CONNACK
+            bridge.session._on_disconnect(None, None, None, 7, None)
     finally:
         logger.removeHandler(handler)
     said = [r.getMessage() for r in records if r.levelno == logging.ERROR]

@@ -101,19 +101,19 @@ def test_a_bridge_holding_the_lock_when_the_mode_is_decided_ingests_at_once():
 def test_a_refused_shared_subscription_turns_the_bridge_to_single_mode(caplog):
     from paho.mqtt.reasoncodes import ReasonCode
 
-    caplog.set_level(logging.INFO, logger="messages.bridge")
+    caplog.set_level(logging.INFO, logger="messages.mqtt_session")
     b = bridge()
-    b._ingest_mode_decide()
+    b.session._ingest_mode_decide()
     refused = ReasonCode(packetType=9, identifier=0x9E)  # SUBACK: shared subs not supported
-    b._on_subscribe(None, None, 1, [refused], None)
-    assert b.ingest_mode == "single"
+    b.session._on_subscribe(None, None, 1, [refused], None)
+    assert b.session.ingest_mode == "single"
     assert "one active bridge (the broker refused a shared subscription)" in caplog.text
 
 
 def test_an_unknown_ingest_setting_is_refused_with_words():
     with pytest.raises(ValueError, match="ingest 'both': use one of auto, shared, single"):
         bridge(ingest="both")
-    assert bridge().probe_topic == PROBE[0]  # the plan above is this bridge's
+    assert bridge().session.probe_topic == PROBE[0]  # the plan above is this bridge's
 
 
 @pytest.mark.django_db(transaction=True)
@@ -185,12 +185,12 @@ def _database_away():
 def _lock_turn(b: Bridge, lock: IngestLock) -> bool:
     """One turn of the ingest lock of a single-mode bridge that was ingesting: whether it
     still ingests after it."""
-    b._ingest_mode_decide()
-    b._ingest_lock = lock
-    b.connected.set()
-    b.plan.lock_asked, b.plan.ingesting = True, True
-    b._ingest_lock_turn(time.monotonic() + 10)
-    return b.plan.ingesting
+    b.session._ingest_mode_decide()
+    b.session.ingest_lock = lock
+    b.session.connected.set()
+    b.session.plan.lock_asked, b.session.plan.ingesting = True, True
+    b.session.lock_turn(time.monotonic() + 10)
+    return b.session.plan.ingesting
 
 
 @pytest.mark.skipif(connection.vendor != "postgresql",

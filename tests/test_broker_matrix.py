@@ -105,7 +105,7 @@ def test_a_connection_error_is_logged_once_until_it_changes(caplog):
 
 
 def test_the_overview_shows_what_this_broker_cannot_do(bridge, broker):
-    caps = eventually(lambda: bridge.caps.get("connected") and bridge.caps,
+    caps = eventually(lambda: bridge.session.caps.get("connected") and bridge.session.caps,
                       what="the bridge recording the broker's capabilities")
     if broker.protocol == "5":
         assert caps["mqtt5"] is True and caps["session_expiry"] is not None

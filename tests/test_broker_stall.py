@@ -62,10 +62,10 @@ def test_a_stall_stops_the_judging_and_the_bridge_reconnects_losing_nothing(
     bridge.start()
     try:
         eventually(lambda: ready(client) == 200, 20, "ready before the stall")
-        generation = bridge.generation
+        generation = bridge.session.generation
         register("fin.quiet", "node-q")  # heard once, then silent (its lease: 2 s)
 
-        with caplog.at_level(logging.ERROR, logger="messages.bridge"):
+        with caplog.at_level(logging.ERROR, logger="messages.mqtt_session"):
             proxy.stall()
             stalled_at = timezone.now()
             # The node publishes to the broker directly throughout: kept for the session.
@@ -90,7 +90,7 @@ def test_a_stall_stops_the_judging_and_the_bridge_reconnects_losing_nothing(
             proxy.resume()
 
         eventually(lambda: ready(client) == 200, 30, "ready again once the path moves")
-        assert bridge.generation > generation  # a new connection, not the stalled one
+        assert bridge.session.generation > generation  # a new connection, not the stalled one
         eventually(lambda: Message.objects.filter(message_id=message.message_id).count() == 1,
                    20, "the message published during the stall stored, once")
         hearing = eventually(lambda: bus_hearing(), 10, "hearing again")

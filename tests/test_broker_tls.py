@@ -175,13 +175,13 @@ def _readyz(client):
 def _count_connacks(bridge: Bridge) -> list:
     """Every CONNACK the bridge's own client gets (the bridge's callback still runs)."""
     seen = []
-    inner = bridge._client.on_connect
+    inner = bridge.session.client.on_connect
 
     def counting(*args):
         seen.append(args[3])
         inner(*args)
 
-    bridge._client.on_connect = counting
+    bridge.session.client.on_connect = counting
     return seen
 
 
@@ -233,8 +233,8 @@ def test_it_ingests_and_publishes_over_mqtts_with_a_password(tls_settings, tls_b
     status, body = eventually(lambda: (r := _readyz(client))[0] == 200 and r, 15,
                               "ready over mqtts")
     assert body["checks"]["broker"]["ok"] is True
-    assert bridge.caps["connected"] is True and bridge.caps["mqtt5"] is True
-    assert bridge.caps["shared_subscriptions"] is True  # Mosquitto 2 says so in its CONNACK
+    assert bridge.session.caps["connected"] is True and bridge.session.caps["mqtt5"] is True
+    assert bridge.session.caps["shared_subscriptions"] is True  # Mosquitto 2 says so in its CONNACK
     assert "mqtts://reach@127.0.0.1" in bridge.url
     assert PASSWORD not in caplog.text, "the broker password reached the log"
 
@@ -256,7 +256,7 @@ def test_a_wrong_password_is_said_once_and_makes_the_console_not_ready(
     assert "MQTT_PASSWORD" in body["reason"]
     # paho keeps trying (1 s, then 2 s, …): the reason is logged once, not per attempt.
     eventually(lambda: len(connacks) >= 2, 15, "a second refused attempt")
-    assert not bridge.connected.is_set()
+    assert not bridge.session.connected.is_set()
     said = [r for r in _bridge_records(caplog) if "refused the credentials" in r.getMessage()]
     assert len(said) == 1
     assert not [r for r in _bridge_records(caplog) if r.exc_info], "tracebacks in the log"
@@ -276,18 +276,18 @@ def test_an_unknown_ca_is_said_once_and_makes_the_console_not_ready(
     assert "certificate" in body["reason"] and "other-ca.pem" in body["reason"]
     # Let paho fail a few more times: the log still says it once.
     failures = []
-    inner = bridge._client.on_connect_fail
+    inner = bridge.session.client.on_connect_fail
 
     def counting(*args):
         failures.append(1)
         inner(*args)
 
-    bridge._client.on_connect_fail = counting
+    bridge.session.client.on_connect_fail = counting
     eventually(lambda: len(failures) >= 1, 15, "another failed attempt")
     said = [r for r in _bridge_records(caplog) if "is not trusted" in r.getMessage()]
     assert len(said) == 1
     assert not [r for r in _bridge_records(caplog) if r.exc_info], "tracebacks in the log"
-    assert not bridge.connected.is_set()
+    assert not bridge.session.connected.is_set()
 
 
 def test_without_the_ca_the_probe_says_the_certificate_is_not_trusted(

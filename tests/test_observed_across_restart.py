@@ -111,7 +111,7 @@ def test_what_a_node_publishes_before_the_bridge_is_back_is_kept_by_a_plain_subs
     try:
         broker.start()
         bridge.start()
-        assert bridge.wait_connected(15) and bridge.ingest_mode == ingest
+        assert bridge.wait_connected(15) and bridge.session.ingest_mode == ingest
         first = _observed(20)
         _publish_all(broker.port, first)
         eventually(lambda: _stored(first) == 20, 20, "the first 20 observed messages stored")
@@ -123,7 +123,7 @@ def test_what_a_node_publishes_before_the_bridge_is_back_is_kept_by_a_plain_subs
         broker.start()
         gap = _observed(200)
         _publish_all(broker.port, gap)
-        assert not bridge.connected.is_set() and time.monotonic() - lost_at < 8, (
+        assert not bridge.session.connected.is_set() and time.monotonic() - lost_at < 8, (
             "the bridge reconnected before the node's publishes; the test missed its gap")
         assert bridge.wait_connected(30), "the bridge did not come back to the broker"
         after = _observed(20)

@@ -78,8 +78,9 @@ def test_two_bridges_answer_each_publish_once_and_count_it_once(broker, settings
             bridge.start()
         for bridge in bridges:
             assert bridge.wait_connected(15)
-            assert bridge.listening.wait(15), "the bridge never had its subscriptions granted"
-            assert bridge.ingest_mode == "shared" and bridge.plan.plain_inbox() == inbox
+            session = bridge.session
+            assert session.listening.wait(15), "the bridge never had its subscriptions granted"
+            assert session.ingest_mode == "shared" and session.plan.plain_inbox() == inbox
         served = [_request("ops.probe") for _ in range(12)]
         refused = [_request("ops.nosuchagent") for _ in range(4)]
         for env in served + refused:

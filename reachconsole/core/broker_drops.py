@@ -1,7 +1,7 @@
 """The broker's own word that it dropped messages: one note, one key, every reader.
 
 Mosquitto counts the messages it drops (queues full, a subscriber too slow) in `$SYS`, the only
-place such losses show. The MQTT bridge (messages/bridge.py, in a worker) notes each increase
+place such losses show. The MQTT bridge (messages/mqtt_session.py, in a worker) notes each increase
 here; the roster's and the overview's pages (in Daphne) and the alarms' evaluation (in beat)
 read it back. Kept in the cache because those are other processes; in the kernel because the
 roster, which every app sits above, reads it too.
