@@ -9,8 +9,9 @@ console's own deafness, and nobody's fault.
 The proof is a probe: each bridge publishes a small message to a topic of its own every
 `PROBE_EVERY_S` and takes it back through its subscriptions, in the same queue as everything
 else it receives (messages/probes.py; messages/mqtt_session.py sends them and hands them
-over, messages/bridge.py takes them). When the owner thread has stored everything that arrived before a probe, the console has heard the bus up to
-the moment that probe was sent: that moment is the bridge's `heard_at` ("through"). An
+over, messages/bridge.py takes them). When the owner thread has stored everything that
+arrived before a probe, the console has heard the bus up to the moment that probe was sent:
+that moment is the bridge's `heard_at` ("through"). An
 unbroken chain of probes (numbered, sent on one connection after the broker granted its
 subscriptions) is one hearing period (`hearing_since` .. `heard_at`); a missing probe, a
 reconnect, a change of what the bridge subscribes to or a restart starts a new one. So an
