@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -36,6 +35,7 @@ from django.db import connection
 
 from messages.models import ANSWERED_STATUSES, RESPONDED_STATUSES, Direction, Rollup, Status, Task
 from messages.protocol import MessageType
+from reachconsole.core.jsontext import json_text
 from reachconsole.core.metrics import LATENCY_BUCKETS_S
 
 TASK_REQUEST = MessageType.TASK_REQUEST.value
@@ -386,8 +386,7 @@ def _rollups_statement(counts: Counter) -> tuple[str, list] | None:
     return (f"INSERT INTO {t} ({columns}) SELECT {columns} FROM json_to_recordset(%s::json) "  # noqa: S608
             "AS r(step integer, bucket bigint, scope text, subject text, metric text, n bigint, "
             "folded boolean)",
-            [json.dumps([dict(zip(_ROLLUP_COLUMNS, r, strict=True)) for r in rows],
-                        separators=(",", ":"))])
+            [json_text([dict(zip(_ROLLUP_COLUMNS, r, strict=True)) for r in rows])])
 
 
 # --- the task upsert ------------------------------------------------------------------------
@@ -461,30 +460,19 @@ def _tasks_upsert(deltas: list[TaskDelta], *, lead: tuple[str, list] | None = No
         for wave in waves:
             ordered = [wave[key] for key in sorted(wave)]
             if connection.vendor == "postgresql":
-                # A batch's rows share their moments: each is formatted once.
-                texts: dict[int, str] = {}
-
-                def iso(moment: datetime | None, texts=texts) -> str | None:
-                    if moment is None:
-                        return None
-                    text = texts.get(id(moment))
-                    if text is None:
-                        text = texts[id(moment)] = moment.isoformat()
-                    return text
-
                 sql, params = _task_upsert_sql(0), []
                 if lead is not None:
                     sql, params = f"WITH numbers AS ({lead[0]}) {sql}", list(lead[1])
                     lead = None
-                cursor.execute(sql, [*params, json.dumps([
+                # Times as they are: json_text writes them as PostgreSQL reads them.
+                cursor.execute(sql, [*params, json_text([
                     {"task_id": d.key[1], "direction": d.key[0], "member": d.key[2],
                      "status": d.status, "last_message_id": d.message_id,
                      "attempts": d.attempts, "to_agent_id": d.to_agent_id,
                      "from_agent_id": d.from_agent_id, "target_node_id": d.target_node_id,
-                     "conversation_id": d.conversation_id, "created_at": iso(d.created_at),
-                     "updated_at": iso(d.updated_at), "finished_at": iso(d.finished_at),
-                     "error": d.error, "answered_by": d.answered_by} for d in ordered],
-                    separators=(",", ":"), ensure_ascii=False)])
+                     "conversation_id": d.conversation_id, "created_at": d.created_at,
+                     "updated_at": d.updated_at, "finished_at": d.finished_at,
+                     "error": d.error, "answered_by": d.answered_by} for d in ordered])])
                 continue
             for start in range(0, len(ordered), _TASK_CHUNK):
                 chunk = ordered[start:start + _TASK_CHUNK]

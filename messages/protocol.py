@@ -1,6 +1,6 @@
 """The A2A wire contract (shared/PROTOCOL.md): envelope codec and MQTT topic names.
 
-Free of Django (the standard library, and messages/signing.py for signatures) so that the
+Free of Django (the standard library, msgspec, and messages/signing.py for signatures) so that the
 MQTT bridge, the tests and any tool can use it without settings. ``decode`` sits on the
 bridge's hot path and is fed whatever arrives on the bus, so it never raises: every input
 ends as an ``Envelope`` or a ``Rejection`` whose ``reason`` the caller counts and whose
@@ -21,6 +21,8 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+
+import msgspec
 
 from messages import signing
 from reachconsole.core.jsonsafe import WORDS, unstorable
@@ -271,7 +273,8 @@ def _decode(data: Any, max_bytes: int) -> Envelope | Rejection:
         if size > max_bytes:
             return _too_large(size, max_bytes)
         try:
-            text = bytes(data).decode("utf-8")
+            raw = bytes(data)
+            text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             return Rejection(
                 Reject.NOT_UTF8,
@@ -285,17 +288,22 @@ def _decode(data: Any, max_bytes: int) -> Envelope | Rejection:
     # a NUL or surrogate escape, or an integer literal long enough to pass 64 bits. Almost no
     # message does. (A regex over the text for both cost more than parsing it.)
     suspect = "\\u" in text and _SUSPECT_ESCAPE.search(text) is not None
-    try:
+    doc = _parsed_fast(text)
+    if doc is _NOT_PARSED:
         try:
-            doc = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
-                             parse_int=_short_int)
-        except _LongInteger:
-            doc = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
-            suspect = True
-    except RecursionError:
-        return Rejection(Reject.NOT_JSON, "payload is JSON nested too deeply to read")
-    except ValueError as exc:  # JSONDecodeError, our NaN/Infinity guards, int digit limit
-        return Rejection(Reject.NOT_JSON, f"payload is not JSON: {exc}")
+            try:
+                doc = json.loads(text, parse_constant=_reject_constant,
+                                 parse_float=_finite_float, parse_int=_short_int)
+            except _LongInteger:
+                doc = json.loads(text, parse_constant=_reject_constant,
+                                 parse_float=_finite_float)
+                suspect = True
+        except RecursionError:
+            return Rejection(Reject.NOT_JSON, "payload is JSON nested too deeply to read")
+        except ValueError as exc:  # JSONDecodeError, our NaN/Infinity guards, digit limit
+            return Rejection(Reject.NOT_JSON, f"payload is not JSON: {exc}")
+    elif not suspect:
+        suspect = _LONG_DIGITS in raw.translate(_DIGITS_ONLY)
 
     if not isinstance(doc, dict):
         return Rejection(
@@ -432,6 +440,27 @@ def _decode_fields(suspect: bool, doc: dict, message: dict, message_id: str,
 _SUSPECT_ESCAPE = re.compile(r"\\u0000|\\u[dD][89a-fA-F]")
 
 
+# The parse of (nearly) every message: msgspec's JSON decoder, in C, about six times faster
+# than json.loads with the hooks below, and exact: it keeps integers of any size as Python
+# ints (orjson turns those past 64 bits into floats). Whatever it refuses (malformed JSON,
+# NaN or Infinity, a lone surrogate, a number out of a float's range, nesting too deep) is
+# parsed again by the standard library below, so a refusal has the same words as before.
+_FAST_DECODER = msgspec.json.Decoder()
+_NOT_PARSED = object()
+# An integer literal of 19 digits or more may pass 64 bits: such a document is walked. The
+# bytes with every digit made "9" and everything else a space, then one substring search:
+# a thirtieth of what a regex over the text costs.
+_DIGITS_ONLY = bytes(0x39 if 0x30 <= code <= 0x39 else 0x20 for code in range(256))
+_LONG_DIGITS = b"9" * 19
+
+
+def _parsed_fast(text: str) -> Any:
+    try:
+        return _FAST_DECODER.decode(text)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return _NOT_PARSED
+
+
 class _LongInteger(Exception):
     """An integer literal of 19 characters or more: it may pass 64 bits."""
 
@@ -552,6 +581,10 @@ class TopicMatch:
 
 
 def _bad_topic_char(text: str) -> str | None:
+    # On every node id of every message: the whole text at once first (every character
+    # `isspace` takes but the plain space is also one `isprintable` refuses).
+    if text.isprintable() and " " not in text and "+" not in text and "#" not in text:
+        return None
     for ch in text:
         if ch in "+#":
             return f"MQTT wildcard {ch!r}"

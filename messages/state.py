@@ -7,8 +7,8 @@ Transition, and announced with events after commit. Callers own the transaction.
 from __future__ import annotations
 
 import functools
-import json
 import logging
+import operator
 import random
 import time
 from collections import defaultdict
@@ -35,6 +35,7 @@ from messages.outbox import outbox_wake
 from messages.protocol import MessageType
 from messages.rows import cancel_row
 from messages.tally import DeliveryTally
+from reachconsole.core.jsontext import json_text
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def _json_documents(docs: list[dict]) -> list[str]:
     """The rows as JSON text, in as few documents as fit JSON_STATEMENT_MAX_CHARS (halved
     until they do; one row is never split). Non-ASCII stays as it is: escaped, text of
     emoji would take three times the space."""
-    text = json.dumps(docs, separators=(",", ":"), ensure_ascii=False)
+    text = json_text(docs)
     if len(text) <= JSON_STATEMENT_MAX_CHARS or len(docs) == 1:
         return [text]
     half = len(docs) // 2
@@ -126,27 +127,19 @@ def _json_insert_sql() -> str:
 
 
 def _json_rows(rows: list, fields: list) -> list[dict]:
-    """Each row as {column: value}. A missing key is NULL, so None is left out; times go as
-    ISO 8601 with their offset, a time shared by the batch (its `now`) formatted once. JSON
-    columns nest as they are (these fields have no custom encoder)."""
-    times = {f.attname for f in fields if isinstance(f, models.DateTimeField)}
-    names = [(f.attname, f.column, f.attname in times) for f in fields]
-    formatted: dict[int, str] = {}
-    out = []
-    for row in rows:
-        doc = {}
-        for attname, column, is_time in names:
-            value = getattr(row, attname)
-            if value is None:
-                continue
-            if is_time:
-                text = formatted.get(id(value))
-                if text is None:
-                    text = formatted[id(value)] = value.isoformat()
-                value = text
-            doc[column] = value
-        out.append(doc)
-    return out
+    """Each row as {column: value}. A missing key is NULL, so None is left out. JSON
+    columns nest as they are (these fields have no custom encoder), times are encoded by
+    json_text."""
+    columns, values_of = _row_reader(tuple(fields))
+    return [{column: value for column, value in zip(columns, values_of(row), strict=True)
+             if value is not None} for row in rows]
+
+
+@functools.cache
+def _row_reader(fields: tuple) -> tuple[tuple[str, ...], Callable[[Any], tuple]]:
+    """The columns, and one C call that reads every value of a row in their order."""
+    return (tuple(f.column for f in fields),
+            operator.attrgetter(*(f.attname for f in fields)))
 
 
 def _insert_by_values(rows: list, fields: list) -> dict[str, int]:

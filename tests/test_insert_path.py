@@ -5,7 +5,7 @@ PostgreSQL the batch travels as one JSON document that the database turns into r
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
@@ -47,6 +47,11 @@ def test_every_kind_of_value_comes_back_as_it_went_in():
         received(f"d-{uuid.uuid4()}", now, payload=[1, 2, 3], publish_at=later,
                  ack_deadline_at=later, next_attempt_at=later, finished_at=later,
                  acked_at=later, published_at=later),
+        # A whole second (written without a fraction) and another offset than UTC.
+        received(f"e-{uuid.uuid4()}", now, published_at=datetime(2026, 11, 30, 18, 1, 3,
+                                                                 tzinfo=UTC),
+                 deadline_at=datetime(2026, 11, 30, 23, 31, 2, 7,
+                                      tzinfo=timezone(timedelta(hours=5, minutes=30)))),
     ]
     fresh = messages_insert_new(list(rows))
     assert {r.message_id for r in fresh} == {r.message_id for r in rows}

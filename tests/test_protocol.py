@@ -666,6 +666,27 @@ def test_values_the_console_cannot_store_are_rejected_with_where(name):
     assert words in result.detail
 
 
+@pytest.mark.parametrize(("literal", "kept"), [
+    ("9223372036854775807", True), ("-9223372036854775808", True),
+    ("9223372036854775808", False), ("-9223372036854775809", False),
+    # Past 64 bits unsigned: a decoder that turned it into a float would store a rounded
+    # number instead of refusing it.
+    ("18446744073709551616", False), ("1" + "0" * 40, False),
+    ("1234567890123456789", True), ("0.1234567890123456789", True),
+])
+def test_integers_are_read_exactly_and_refused_past_64_bits(literal: str, kept: bool):
+    raw = ('{"protocol":"a2a","version":"1.0","message":{"messageId":"m1",'
+           f'"messageType":"EVENT","payload":{{"n":{literal},"id":"12345678901234567890123"}}}}}}')
+    result = decode(raw.encode())
+    if kept:
+        assert isinstance(result, Envelope)
+        assert result.payload == {"n": json.loads(literal), "id": "12345678901234567890123"}
+        assert type(result.payload["n"]) is type(json.loads(literal))
+    else:
+        assert isinstance(result, Rejection) and result.reason == Reject.NUMBER_OUT_OF_RANGE
+        assert "payload.n is a number beyond 64 bits" in result.detail
+
+
 def test_a_surrogate_pair_is_text_not_a_rejection():
     raw = ('{"protocol":"a2a","version":"1.0","message":{"messageId":"m1",'
            '"messageType":"EVENT","payload":"\\ud83d\\ude00"}}')
