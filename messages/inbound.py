@@ -244,13 +244,15 @@ def _batch_decode(batch: list[Incoming], *, node_id: str, prefix: str, now: date
     """Steps 1 and 2: each message decoded, refused with its reason or dropped as our own,
     and sorted into heartbeats and rows; nothing written."""
     out = _Decoded()
+    max_bytes = settings.REACH_MAX_MESSAGE_BYTES
+    store_observed = settings.REACH_STORE_OBSERVED_PAYLOADS
     for item in batch:
         match = protocol.parse_topic(prefix, item.topic)
         if match is None:
             counts["rejected:unknown_topic"] += 1
             _log_once_a_minute("unknown_topic", f"topic {item.topic[:200]!r}")
             continue
-        env = protocol.decode(item.payload, max_bytes=settings.REACH_MAX_MESSAGE_BYTES)
+        env = protocol.decode(item.payload, max_bytes=max_bytes)
         if isinstance(env, protocol.Rejection) and item.copy:
             counts["inbox_copies"] += 1  # the group's copy counts it and answers it
             continue
@@ -271,7 +273,8 @@ def _batch_decode(batch: list[Incoming], *, node_id: str, prefix: str, now: date
             _heartbeat_judge(env, match.node_id, item=item, now=now, out=out, counts=counts)
             continue
         direction = Direction.RECV if match.node_id == node_id else Direction.OBSERVED
-        row = received_row(env, topic=item.topic, direction=direction, now=now)
+        row = received_row(env, topic=item.topic, direction=direction, now=now,
+                           store_observed=store_observed)
         if env.message_type in ANSWERS or (direction == Direction.RECV
                                            and env.message_type in REQUESTS):
             # A stand-in's refusal is on its row if it is stored first; counted once, by the

@@ -204,12 +204,16 @@ class ReceivedRow:
     signature_refused: str = ""
 
 
-def received_row(env: protocol.Envelope, *, topic: str, direction: str, now: datetime
-                 ) -> ReceivedRow:
+def received_row(env: protocol.Envelope, *, topic: str, direction: str, now: datetime,
+                 store_observed: bool | None = None) -> ReceivedRow:
     """An inbound message as it is stored: RECV on our inbox, OBSERVED elsewhere. Traffic
     between other nodes is stored without its payload unless REACH_STORE_OBSERVED_PAYLOADS
-    (it is theirs, and the console never resends it); the console's own keep theirs."""
-    keep = direction != Direction.OBSERVED or settings.REACH_STORE_OBSERVED_PAYLOADS
+    (it is theirs, and the console never resends it); the console's own keep theirs.
+    `store_observed`: that setting, read once by a caller that builds many rows (a read of
+    the settings costs as much as the rest of this function)."""
+    if store_observed is None:
+        store_observed = settings.REACH_STORE_OBSERVED_PAYLOADS
+    keep = direction != Direction.OBSERVED or store_observed
     deadline = None
     if direction == Direction.OBSERVED and env.message_type == protocol.MessageType.TASK_REQUEST:
         # Traffic between other nodes gets an outcome too: the answers seen on the bus move
