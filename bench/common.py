@@ -144,6 +144,26 @@ def cpu_snapshot() -> dict[str, float]:
     return out
 
 
+def process_tree(root: int) -> list[int]:
+    """`root` and every live process under it."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            with open(proc / "stat", encoding="ascii", errors="replace") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(proc.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
 def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: round(after[k] - before.get(k, 0.0), 3) for k in sorted(after)
             if after[k] - before.get(k, 0.0) > 0.0005}
