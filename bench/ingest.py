@@ -652,7 +652,8 @@ def profiler_start(run: str, mode: str, n: int, rate: float) -> subprocess.Popen
     common.RESULTS.mkdir(exist_ok=True)
     # --gil: the process is GIL-bound, so what matters is who holds it; --nonblocking:
     # sample without stopping the process, so the profiled run stays close to a plain one.
-    cmd = [str(spy), "record", "--pid", str(os.getpid()), "--rate", os.environ.get("BENCH_PROFILE_RATE", "200"), "--duration",
+    rate = os.environ.get("BENCH_PROFILE_RATE", "200")  # samples a second
+    cmd = [str(spy), "record", "--pid", str(os.getpid()), "--rate", rate, "--duration",
            str(seconds), "--format", "raw", "--threads", "--gil", "--nonblocking",
            "--output", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -35,7 +35,7 @@ from django.db import connection
 
 from messages.models import ANSWERED_STATUSES, RESPONDED_STATUSES, Direction, Rollup, Status, Task
 from messages.protocol import MessageType
-from reachconsole.core.jsontext import json_text
+from messages.rows import json_text
 from reachconsole.core.metrics import LATENCY_BUCKETS_S
 
 TASK_REQUEST = MessageType.TASK_REQUEST.value

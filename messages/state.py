@@ -33,9 +33,8 @@ from messages.models import (
 )
 from messages.outbox import outbox_wake
 from messages.protocol import MessageType
-from messages.rows import cancel_row
+from messages.rows import cancel_row, json_text
 from messages.tally import DeliveryTally
-from reachconsole.core.jsontext import json_text
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
