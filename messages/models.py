@@ -138,8 +138,8 @@ class Message(models.Model):
     """One transmission. A retry or a resend is a new row with a new message id."""
 
     message_id = models.CharField(max_length=200, unique=True)
-    task_id = models.CharField(max_length=200, blank=True, db_index=True)
-    idempotency_key = models.CharField(max_length=200, blank=True, db_index=True)
+    task_id = models.CharField(max_length=200, blank=True)
+    idempotency_key = models.CharField(max_length=200, blank=True)
     message_type = models.CharField(max_length=16)
     direction = models.CharField(max_length=8, choices=Direction.choices)
     status = models.CharField(max_length=16, choices=Status.choices)
@@ -148,7 +148,7 @@ class Message(models.Model):
     target_node_id = models.CharField(max_length=128, blank=True)
     origin_node_id = models.CharField(max_length=128, blank=True)
     reply_node_id = models.CharField(max_length=128, blank=True)
-    conversation_id = models.CharField(max_length=200, blank=True, db_index=True)
+    conversation_id = models.CharField(max_length=200, blank=True)
     scene_group_id = models.CharField(max_length=200, blank=True)
     session_id = models.CharField(max_length=200, blank=True)
     topic = models.CharField(max_length=300, blank=True)
@@ -159,7 +159,7 @@ class Message(models.Model):
     resolution = models.JSONField(null=True, blank=True)
     attempt = models.PositiveIntegerField(default=1)
     # The message this one answers: inReplyTo of a response, ackFor of an ACK/NACK/BUSY.
-    in_reply_to = models.CharField(max_length=200, blank=True, db_index=True)
+    in_reply_to = models.CharField(max_length=200, blank=True)
     resend_of = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="resends"
     )
@@ -185,7 +185,14 @@ class Message(models.Model):
     class Meta:
         db_table = "a2a_message"
         ordering = ["-created_at", "-id"]
+        # Every index is one more entry on every row stored: each below names the query it
+        # serves (measured with pg_stat_user_indexes, docs/performance.md), and none is a
+        # `db_index` on a text column, which on PostgreSQL adds a `_like` twin no query reads.
+        # Besides these: the primary key, the unique message id (the insert's ON CONFLICT),
+        # the index of `resend_of` (a row's resends; the prune's ON DELETE SET NULL), and
+        # `a2a_error_trgm` (the timeline's error search, migration 0005).
         indexes = [
+            # The timeline, newest first, and the retention prune's oldest first.
             models.Index(fields=["created_at", "id"], name="a2a_timeline"),
             # The timeline's filters read these in its order, (created_at, id), to the page
             # size and no further (messages/selectors.py); an agent is walked as receiver
@@ -195,8 +202,16 @@ class Message(models.Model):
                          name="a2a_to_agent_timeline"),
             models.Index(fields=["from_agent_id", "created_at", "id"],
                          name="a2a_from_agent_timeline"),
+            # An agent's held work, released oldest first as its slots free, and the
+            # recount of its open work (messages/backpressure.py).
             models.Index(fields=["to_agent_id", "held", "status"], name="a2a_agent_held_status"),
+            # A task's attempts, its trace and the searches by task id (messages/selectors.py).
             models.Index(fields=["task_id", "created_at"], name="a2a_task_created"),
+            # The timeline's conversation filter and search (messages/selectors.py).
+            models.Index(fields=["conversation_id"], name="a2a_conversation"),
+            # The answers to a request: its trace, and a response's release after its ACK
+            # (messages/selectors.py, messages/outbox.py).
+            models.Index(fields=["in_reply_to"], name="a2a_in_reply_to"),
             # Deadline indexes hold only the rows that can still be due, so a sweep costs
             # what is due, not what is stored.
             models.Index(fields=["publish_at"], name="a2a_outbox_due",

@@ -69,3 +69,34 @@ def test_migration_0006_makes_tasks_of_the_rows_already_stored():
     seen.refresh_from_db()
     assert seen.status == Status.EXPIRED
     assert Task.objects.get(task_id="t-seen").status == Status.EXPIRED
+
+
+def _indexes() -> dict[str, tuple[str, ...]]:
+    """a2a_message's indexes (not its primary key): name → columns."""
+    with connection.cursor() as cursor:
+        found = connection.introspection.get_constraints(cursor, "a2a_message")
+    return {name: tuple(c["columns"]) for name, c in found.items()
+            if c["index"] and not c["primary_key"]}
+
+
+def test_migration_0009_drops_the_indexes_no_query_reads_and_puts_them_back_reversed():
+    def single_column(columns: tuple[str, ...]) -> list[str]:
+        return [name for name, cols in _indexes().items() if cols == columns]
+
+    now = _indexes()
+    assert not [n for n in now if n.endswith("_like")], now
+    assert single_column(("idempotency_key",)) == [] and single_column(("task_id",)) == []
+    assert single_column(("conversation_id",)) == ["a2a_conversation"]
+    assert single_column(("in_reply_to",)) == ["a2a_in_reply_to"]
+    assert ("task_id", "created_at") in now.values()  # what a lookup by task reads now
+    postgres = connection.vendor == "postgresql"
+    try:
+        migrate([("a2a", "0008_rollups_finest_only")])
+        before = _indexes()
+        for column in ("idempotency_key", "task_id", "conversation_id", "in_reply_to"):
+            assert len(single_column((column,))) == (2 if postgres else 1), column
+        if postgres:  # Django's LIKE twins of the text columns, message_id's included
+            assert len([n for n in before if n.endswith("_like")]) == 5
+    finally:
+        migrate(latest())
+    assert _indexes() == now
