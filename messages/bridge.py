@@ -138,7 +138,7 @@ class Bridge:
         self._owner: threading.Thread | None = None
         self._last_heartbeat = 0.0
         self._last_flush = 0.0
-        self._seen_generation = 0  # the connection the owner last published on
+        self._seen_generation = 0  # the last connection the owner noticed
         self._counted_generation = 0  # connections counted so far (reconnects metric)
 
     @classmethod
@@ -172,6 +172,8 @@ class Bridge:
     def stop(self, timeout: float = 10.0) -> None:
         outbox_unsubscribe(self._wake_outbox)
         self._stop.set()
+        self.session.stopping()
+        self.handoff.wake()  # the owner's wait ends now, not at its timeout
         self._listener.stop()
         if self._owner is not None:
             self._owner.join(timeout)
@@ -234,7 +236,7 @@ class Bridge:
             self._outbox_due.clear()
             self._next_poll = now + settings.REACH_OUTBOX_POLL_S
             found = self._guard_db(self._publish_due) or found
-        if connected and now - self._last_probe >= PROBE_EVERY_S:
+        if session.connected.is_set() and now - self._last_probe >= PROBE_EVERY_S:
             self._last_probe = now
             session.probe_send(now, behind=self.handoff.queued() >= self.batch)
         if session.granted.is_set() or now - self._last_hearing >= HEARING_EVERY_S:

@@ -124,8 +124,10 @@ class LeanClient(mqtt.Client):
     `properties` one shared, empty Properties (read it, never write it). Anything else
     (properties present, QoS 2, MQTT 3.1.1, a packet it cannot read) goes to paho's own
     handler, which also refuses what is malformed as it always has.
-    tests/test_mqtt_client.py compares both on the same packets; paho-mqtt is pinned to the
-    minor versions it was checked against (pyproject.toml)."""
+    tests/test_mqtt_client.py compares both on the same packets; it was checked against
+    paho-mqtt 2.2, and pyproject.toml caps paho-mqtt below 2.3 until it passes on a newer
+    one. (paho's debug line for each PUBLISH is not written for these: no logger of ours
+    is attached to paho.)"""
 
     def _handle_publish(self) -> mqtt.MQTTErrorCode:
         message = self._lean_publish() if self._protocol == mqtt.MQTTv5 else None
@@ -159,7 +161,26 @@ class LeanClient(mqtt.Client):
         return message
 
 
-_NO_PROPERTIES = Properties(PacketTypes.PUBLISH)
+class _NoProperties(Properties):
+    """The one empty property block every lean PUBLISH shares: read-only, so that a write
+    to one message's properties cannot reach every later message."""
+
+    def __init__(self) -> None:
+        super().__init__(PacketTypes.PUBLISH)
+        object.__setattr__(self, "_frozen", True)
+
+    def __setattr__(self, name: str, value) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError("the shared empty MQTT properties are read-only")
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError("the shared empty MQTT properties are read-only")
+        super().__delattr__(name)
+
+
+_NO_PROPERTIES = _NoProperties()
 
 
 def refusal_reason(reason_code, target: BrokerTarget) -> str:

@@ -216,6 +216,10 @@ class MqttSession:
             client.connect_async(self.target.host, self.target.port, keepalive=self.keepalive_s)
         client.loop_start()
 
+    def stopping(self) -> None:
+        """The bridge is stopping: a connection lost from now on is not news."""
+        self._stopping = True
+
     def stop(self) -> None:
         """After the owner thread has stopped: let the lock go and close the connection."""
         self._stopping = True
@@ -411,7 +415,8 @@ class MqttSession:
                 if not deaf:  # (refused inbound filters are logged below)
                     self.probes.renew()  # a new chain from here
                     self.listening.set()
-                    self.granted.set()  # the owner says so on its next turn
+                    self.granted.set()  # the owner says so on its next turn, now
+                    self.handoff.wake()
         refused = [rc for rc in reason_codes if getattr(rc, "is_failure", False)]
         if not refused:
             return

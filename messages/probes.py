@@ -6,8 +6,8 @@ was published after everything the broker handed over before it, so once those a
 the console has heard the bus up to the probe's send time. The send times are this record's
 own, never read from the payload (anyone allowed on the topic could write one), and only
 probes sent since the broker last granted the bridge's subscriptions count (`renew`). No
-paho and no database here: the bridge (messages/bridge.py) sends what this says and reports
-what it holds.
+paho and no database here: the bridge's session (messages/mqtt_session.py) sends what this
+says, and its owner loop (messages/bridge.py) reports what it holds.
 """
 
 from __future__ import annotations

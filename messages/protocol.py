@@ -288,7 +288,7 @@ def _decode(data: Any, max_bytes: int) -> Envelope | Rejection:
     # a NUL or surrogate escape, or an integer literal long enough to pass 64 bits. Almost no
     # message does. (A regex over the text for both cost more than parsing it.)
     suspect = "\\u" in text and _SUSPECT_ESCAPE.search(text) is not None
-    doc = _parsed_fast(text)
+    doc = _parsed_fast(raw)
     if doc is _NOT_PARSED:
         try:
             try:
@@ -454,11 +454,19 @@ _DIGITS_ONLY = bytes(0x39 if 0x30 <= code <= 0x39 else 0x20 for code in range(25
 _LONG_DIGITS = b"9" * 19
 
 
-def _parsed_fast(text: str) -> Any:
+def _parsed_fast(raw: bytes) -> Any:
+    # msgspec reads a little deeper nesting than json.loads does at the same stack depth:
+    # a document that could be that deep is left to the standard library, which refuses it
+    # as it always has ("nested too deeply"). Two counts in C, no walk.
+    if raw.count(b"[") + raw.count(b"{") > _DEEP:
+        return _NOT_PARSED
     try:
-        return _FAST_DECODER.decode(text)
+        return _FAST_DECODER.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return _NOT_PARSED
+
+
+_DEEP = 256  # brackets in a document: fewer cannot nest deep enough to matter
 
 
 class _LongInteger(Exception):

@@ -271,10 +271,13 @@ def json_text(value: Any) -> str:
     numbers).
 
     msgspec's encoder, in C: json.dumps of these documents was a fifth of the bridge's ingest
-    time. Non-ASCII stays as it is (escaped, text of emoji would take three times the
-    space); times go as RFC 3339 with their offset, which PostgreSQL reads. A value msgspec
-    cannot encode (text that is not Unicode, which the bus decoder and the API refuse long
-    before this) goes through the standard library, to fail there as it always did."""
+    time. Text is written as UTF-8, not as \\u escapes (an emoji escaped takes three times
+    the space). Times go as RFC 3339: the console's are in UTC (`Z`), which PostgreSQL reads
+    as json.dumps's `+00:00`. msgspec writes a few things json.dumps refused (NaN as null, a
+    Decimal or UUID as a string); none reaches a row: the decoder and the API refuse NaN,
+    and no column holds the others. What msgspec cannot encode (text that is not Unicode,
+    which the decoder and the API also refuse first) goes through the standard library and
+    fails there, as before."""
     try:
         return _ENCODER.encode(value).decode()
     except (msgspec.EncodeError, TypeError, ValueError, OverflowError):
