@@ -24,6 +24,8 @@ PG_PORT, REDIS_PORT, MQTT_PORT = 5432, 6379, 1883
 BENCH_DB = "reachconsole_bench"
 DATABASE_URL = f"postgres://postgres@{HOST}:{PG_PORT}/{BENCH_DB}"
 REDIS_URL = f"redis://{HOST}:{REDIS_PORT}/0"
+# bench/ingest.py --worker's Celery worker: its queue, cache and channel layer apart.
+WORKER_REDIS_URL = f"redis://{HOST}:{REDIS_PORT}/14"
 MQTT_URL = f"mqtt://{HOST}:{MQTT_PORT}"
 # The databases the test suite owns: a bench must never touch them.
 FORBIDDEN_DBS = frozenset({"reachconsole", "test_reachconsole"})
@@ -41,12 +43,12 @@ def run_tag(kind: str) -> str:
     return f"bench{kind}{secrets.token_hex(4)}"
 
 
-def redis_cleanup(tag: str) -> None:
+def redis_cleanup(tag: str, *, url: str | None = None) -> None:
     """Leave nothing of ours in Redis: the core layer keeps group keys for a day, and the
     console's metric counters (cache keys under our prefix) never expire."""
     import redis
 
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis.Redis.from_url(url or REDIS_URL)
     keys = list(client.scan_iter(match=f"{tag}*", count=1000))
     if keys:
         client.delete(*keys)
@@ -106,6 +108,14 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 # --- CPU accounting: who burned the two cores during a run -----------------------------------
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 SERVICES = {"postgres": "postgres", "mosquitto": "mosquitto", "redis-server": "redis"}
+
+
+def stat_cpu_with_children(path: str) -> float:
+    """utime + stime + cutime + cstime of /proc/<pid>/stat, in seconds: the process's own
+    CPU (its ended threads' too) and that of its children it has reaped."""
+    with open(path, encoding="ascii", errors="replace") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / _TICK
 
 
 def _stat_cpu(path: str) -> float:

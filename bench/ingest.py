@@ -326,6 +326,9 @@ class WorkerSide:
         common.RESULTS.mkdir(exist_ok=True)
         env = {**os.environ, "MQTT_URL": common.MQTT_URL, "MQTT_PROTOCOL": "5",
                "MQTT_TOPIC_PREFIX": self.prefix,
+               # A Redis database of its own: a stock worker takes every Celery task queued
+               # on its Redis, and the shared one may carry another console's.
+               "REDIS_URL": common.WORKER_REDIS_URL,
                "REACH_NODE_ID": "bench-console", "REACH_BRIDGE_INSTANCE": self.tag,
                # Its client id, cache keys and channel-layer prefix: this run's own, and
                # swept from Redis with the rest of the run's keys.
@@ -338,12 +341,21 @@ class WorkerSide:
                                          stdout=out, stderr=subprocess.STDOUT)
 
     def cpu_s(self) -> float:
-        """utime + stime of the worker and every process under it (the prefork pool)."""
-        return sum(self.cpu_by_part().values())
+        """CPU seconds of the worker and every process under it (the prefork pool): of
+        each live one, what it spent and what its children that ended spent (utime,
+        stime, cutime, cstime), so threads and processes that end mid-run still count."""
+        assert self.proc is not None
+        total = 0.0
+        for pid in common.process_tree(self.proc.pid):
+            try:
+                total += common.stat_cpu_with_children(f"/proc/{pid}/stat")
+            except OSError:
+                pass  # gone between the listing and the read: its parent counts it now
+        return total
 
     def cpu_by_part(self) -> dict[str, float]:
-        """CPU seconds of the worker's main process by thread name (its bridge's owner,
-        paho's, the events'...), and of each process under it (the prefork pool)."""
+        """For the breakdown only (cpu_s is the total): CPU seconds of the worker's live
+        threads by name, and of each process under it (the prefork pool)."""
         assert self.proc is not None
         out: dict[str, float] = {}
         root = self.proc.pid
@@ -369,6 +381,7 @@ class WorkerSide:
                 self.proc.kill()
                 self.proc.wait(10)
         session_discard(self.client_ids[0])
+        common.redis_cleanup(self.tag, url=common.WORKER_REDIS_URL)
         return {"worker_log": str(self.log.relative_to(common.ROOT))}
 
 
@@ -570,9 +583,11 @@ def run_once(side_name: str, mode: str, args: argparse.Namespace, conn: psycopg.
     try:
         probe(prefix, conn, side.table, run)
         offset = log_offset()
-        spy = profiler_start(run, mode, n, rate) if profiled else None
+        pid = side.proc.pid if isinstance(side, WorkerSide) else os.getpid()
+        spy = profiler_start(run, mode, n, rate, pid) if profiled else None
         cpu_before = common.cpu_snapshot()
-        tree_before = side.cpu_by_part() if isinstance(side, WorkerSide) else None
+        worker = side if isinstance(side, WorkerSide) else None
+        tree_before = (worker.cpu_s(), worker.cpu_by_part()) if worker else None
         pub = publisher_run(prefix, run, n, rate, args.window)
         if spy is not None:
             # Profile the busy part only: what is left after the last publish drains in
@@ -581,9 +596,9 @@ def run_once(side_name: str, mode: str, args: argparse.Namespace, conn: psycopg.
             profiler_stop(spy)
         rows_wait(conn, side.table, run, n, args.idle)
         cpu = common.cpu_delta(cpu_before, common.cpu_snapshot())
-        if tree_before is not None:
-            parts = common.cpu_delta(tree_before, side.cpu_by_part())
-            cpu[WORKER_TREE] = round(sum(parts.values()), 3)
+        if worker is not None and tree_before is not None:
+            cpu[WORKER_TREE] = round(worker.cpu_s() - tree_before[0], 3)
+            parts = common.cpu_delta(tree_before[1], worker.cpu_by_part())
             cpu.update({f"worker {k}": v for k, v in parts.items()})
         measured = rows_measure(conn, side.table, run)
         if spy is not None:
@@ -642,7 +657,11 @@ def _cpu_per_row(cpu: dict[str, float], rows: int) -> float | None:
 
 
 # --- profiling ----------------------------------------------------------------------------------
-def profiler_start(run: str, mode: str, n: int, rate: float) -> subprocess.Popen | None:
+def profiler_start(run: str, mode: str, n: int, rate: float, pid: int
+                   ) -> subprocess.Popen | None:
+    """py-spy on `pid`: this process (the in-process console, the baseline) or the worker."""
+    import profile_summary
+
     spy = Path(sys.executable).with_name("py-spy")
     if not spy.exists():
         print("py-spy is not installed (.venv/bin/pip install py-spy); not profiling")
@@ -652,9 +671,8 @@ def profiler_start(run: str, mode: str, n: int, rate: float) -> subprocess.Popen
     common.RESULTS.mkdir(exist_ok=True)
     # --gil: the process is GIL-bound, so what matters is who holds it; --nonblocking:
     # sample without stopping the process, so the profiled run stays close to a plain one.
-    rate = os.environ.get("BENCH_PROFILE_RATE", "200")  # samples a second
-    cmd = [str(spy), "record", "--pid", str(os.getpid()), "--rate", rate, "--duration",
-           str(seconds), "--format", "raw", "--threads", "--gil", "--nonblocking",
+    cmd = [str(spy), "record", "--pid", str(pid), "--rate", str(profile_summary.SAMPLE_HZ),
+           "--duration", str(seconds), "--format", "raw", "--threads", "--gil", "--nonblocking",
            "--output", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(1.0)  # py-spy needs a moment to attach

@@ -109,8 +109,9 @@ def spy_start(out: Path) -> subprocess.Popen | None:
         print("py-spy is not installed (.venv/bin/pip install py-spy); not profiling")
         return None
     proc = subprocess.Popen(
-        [str(spy), "record", "--pid", str(os.getpid()), "--rate", "200", "--format", "raw",
-         "--threads", "--gil", "--nonblocking", "--output", str(out)],
+        [str(spy), "record", "--pid", str(os.getpid()), "--rate",
+         str(profile_summary.SAMPLE_HZ), "--format", "raw", "--threads", "--gil",
+         "--nonblocking", "--output", str(out)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)
     return proc

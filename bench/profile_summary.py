@@ -11,13 +11,14 @@ network thread and the event-publishing thread are phases of their own.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import Counter
 from pathlib import Path
 
 # Deepest match wins: a frame name (function as py-spy prints it) → the phase it stands for.
 PHASES: dict[str, str] = {
-    "Bridge._take": "bridge owner: taking work off the queue",
+    "Handoff.take": "bridge owner: taking work off the queue",
     "Bridge._ingest": "ingest: other",
     "messages_ingest": "ingest: other",
     "parse_topic": "ingest: topic parse",
@@ -37,7 +38,7 @@ PHASES: dict[str, str] = {
     "EventPublisher.publish": "events: grouping + hand-off (on_commit)",
     "close_old_connections": "close_old_connections",
     "DatabaseWrapper.close_if_health_check_failed": "health-check SELECT 1 on every batch",
-    "Bridge._ack": "PUBACKs (client.ack)",
+    "MqttSession.ack": "PUBACKs (client.ack)",
     "Bridge._heartbeat": "heartbeat",
     "LocalCounter.flush": "metric counters flush (Redis)",
     "Bridge._confirm": "confirm PUBACKs of our publishes",
@@ -46,12 +47,14 @@ PHASES: dict[str, str] = {
 # Below these, a frame of another phase is part of this one (a commit's wait is the commit's).
 OWNING = (
     "DatabaseWrapper.close_if_health_check_failed", "Atomic.__exit__", "Atomic.__enter__",
-    "close_old_connections", "Bridge._ack", "Bridge._heartbeat", "LocalCounter.flush",
+    "close_old_connections", "MqttSession.ack", "Bridge._heartbeat", "LocalCounter.flush",
     "EventPublisher.publish",
 )
 
 
-SAMPLE_HZ = 200  # py-spy --rate used by bench/ingest.py
+# py-spy's --rate for bench/ingest.py and bench/ingest_cpu.py: samples a second, which turn
+# the counts into seconds. BENCH_PROFILE_RATE=1000 for a finer look at a short run.
+SAMPLE_HZ = int(os.environ.get("BENCH_PROFILE_RATE", "200"))
 THREAD_PHASES = {
     "paho-mqtt-client": "paho network thread: read, parse, PUBACK, on_message",
     "a2a-events": "a2a-events thread: channel-layer group_send to Redis",
