@@ -109,6 +109,7 @@ def message_out(row: Message) -> dict[str, Any]:
         "createdAt": _iso(row.created_at), "publishedAt": _iso(row.published_at),
         "ackedAt": _iso(row.acked_at), "finishedAt": _iso(row.finished_at),
         "deadlineAt": _iso(row.deadline_at),
+        "payloadDroppedAt": _iso(row.payload_dropped_at),
     }
 
 

@@ -154,6 +154,10 @@ class Message(models.Model):
     topic = models.CharField(max_length=300, blank=True)
     headers = models.JSONField(default=dict, blank=True)
     payload = models.JSONField(null=True, blank=True)
+    # When the payload was dropped: content is kept only while a resend may need it
+    # (REACH_PAYLOAD_KEEP_HOURS after the row's last change, messages/sweeps.payloads_drop);
+    # the row's history, timing and outcome stay for the whole retention.
+    payload_dropped_at = models.DateTimeField(null=True, blank=True)
     error = models.TextField(blank=True)
     # How the directory chose the target: level and the candidates it considered.
     resolution = models.JSONField(null=True, blank=True)
@@ -224,6 +228,10 @@ class Message(models.Model):
                          condition=Q(status__in=["SENT", "PUBLISHED", "ACKED", "RETRYING",
                                                  "OBSERVED"],
                                      deadline_at__isnull=False)),
+            # The payloads still kept, oldest change first: the drop sweep reads what is due
+            # and the index shrinks as payloads go (observed rows have none by default).
+            models.Index(fields=["updated_at"], name="a2a_payload_kept",
+                         condition=Q(payload__isnull=False)),
         ]
         permissions = [("resend_message", "Can resend a message from the console"),
                        ("cancel_task", "Can cancel a task from the console")]

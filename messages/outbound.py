@@ -520,6 +520,13 @@ def _resend_requests(*, message_ids: list[str], new_idempotency_key: bool,
             raise SendRefused(f"{message_id} is {previous.status}; only {allowed} messages are "
                               "resent (the others are still under way or done)",
                               code="not_resendable", status=409)
+        if previous.payload_dropped_at is not None:
+            when = previous.payload_dropped_at.strftime("%Y-%m-%d %H:%M:%S")
+            raise SendRefused(
+                f"{message_id}'s payload was dropped at {when} UTC, "
+                f"{settings.REACH_PAYLOAD_KEEP_HOURS:g} h after its last change "
+                "(REACH_PAYLOAD_KEEP_HOURS), so there is nothing to send again: send the task "
+                "anew with its payload", code="payload_dropped", status=409)
         requests += _requests_again(previous, new_idempotency_key=new_idempotency_key,
                                     within=within, now=now)
     return requests

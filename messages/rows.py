@@ -198,6 +198,7 @@ class ReceivedRow:
     ack_deadline_at: datetime | None = None
     next_attempt_at: datetime | None = None
     held: bool = False
+    payload_dropped_at: datetime | None = None
     pk: int | None = None
     # Not a column: the payload as it came, which the inbound rules read (an OBSERVED row
     # may be stored without it).
@@ -211,7 +212,8 @@ def received_row(env: protocol.Envelope, *, topic: str, direction: str, now: dat
                  store_observed: bool | None = None) -> ReceivedRow:
     """An inbound message as it is stored: RECV on our inbox, OBSERVED elsewhere. Traffic
     between other nodes is stored without its payload unless REACH_STORE_OBSERVED_PAYLOADS
-    (it is theirs, and the console never resends it); the console's own keep theirs.
+    (it is theirs, and the console never resends it); the console's own keep theirs until
+    REACH_PAYLOAD_KEEP_HOURS (messages/sweeps.payloads_drop).
     `store_observed`: that setting, read once by a caller that builds many rows (a read of
     the settings costs as much as the rest of this function)."""
     if store_observed is None:

@@ -301,9 +301,10 @@ def messages_new_count(flt: MessageFilter, *, after: int, up_to: int,
 
 
 def resendable(qs: QuerySet[Message]) -> QuerySet[Message]:
-    """The task requests of ours in `qs` that an operator may send again."""
+    """The task requests of ours in `qs` that an operator may send again: failed, and still
+    holding the payload a resend sends (messages/sweeps.payloads_drop)."""
     return qs.filter(direction=Direction.SEND, message_type=MessageType.TASK_REQUEST,
-                     status__in=list(RESENDABLE_STATUSES))
+                     status__in=list(RESENDABLE_STATUSES), payload_dropped_at__isnull=True)
 
 
 def resendable_selected(flt: MessageFilter, *, up_to: int) -> QuerySet[Message]:
@@ -321,7 +322,7 @@ def resendable_count(flt: MessageFilter, *, cap: int, up_to: int) -> int:
 
 def message_is_resendable(row: Message) -> bool:
     return (row.direction == Direction.SEND and row.message_type == MessageType.TASK_REQUEST
-            and row.status in RESENDABLE_STATUSES)
+            and row.status in RESENDABLE_STATUSES and row.payload_dropped_at is None)
 
 
 def task_attempts(row: Message) -> QuerySet[Message]:

@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from messages.backpressure import held_release, loads_to_release, task_locks
@@ -260,3 +261,35 @@ def messages_prune(*, now: datetime | None = None, max_batches: int = 50) -> int
                 break
             Task.objects.filter(pk__in=stale).delete()
     return deleted
+
+
+def _payload_droppable() -> Q:
+    """Rows whose payload nothing will send again: never one still in the outbox (SENT),
+    nor a request still open (a retry copies its payload). A final request may be resent,
+    which is why the drop waits REACH_PAYLOAD_KEEP_HOURS after its last change."""
+    open_request = Q(message_type=MessageType.TASK_REQUEST, status__in=OPEN_STATUSES)
+    return Q(payload__isnull=False) & ~Q(status=Status.SENT) & ~open_request
+
+
+def payloads_drop(*, now: datetime | None = None, max_batches: int = 50) -> int:
+    """Drop the payloads kept past REACH_PAYLOAD_KEEP_HOURS: the column goes to NULL and
+    `payload_dropped_at` says when, so the trace and the API can say so; status, times,
+    transitions and outcome stay. Oldest change first along `a2a_payload_kept`, a bounded
+    batch a transaction. Returns how many payloads went."""
+    hours = settings.REACH_PAYLOAD_KEEP_HOURS
+    if hours <= 0:
+        return 0
+    now = now or timezone.now()
+    cutoff = now - timedelta(hours=hours)
+    due = Message.objects.filter(_payload_droppable(), updated_at__lt=cutoff)
+    dropped = 0
+    for _ in range(max_batches):
+        pks = list(due.order_by("updated_at").values_list("pk", flat=True)[:PRUNE_BATCH])
+        if not pks:
+            break
+        # The same conditions again in the UPDATE: a row that changed since it was read
+        # (a late answer moves updated_at) keeps its payload until it is due again.
+        dropped += due.filter(pk__in=pks).update(payload=None, payload_dropped_at=now)
+        if len(pks) < PRUNE_BATCH:
+            break
+    return dropped

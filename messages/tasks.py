@@ -23,6 +23,13 @@ def messages_prune() -> int:
     return prune()
 
 
+@shared_task(name="messages.tasks.payloads_drop", ignore_result=True)
+def payloads_drop() -> int:
+    from messages.sweeps import payloads_drop as drop
+
+    return drop()
+
+
 @shared_task(name="messages.tasks.loads_reconcile", ignore_result=True)
 def loads_reconcile() -> int:
     from messages.backpressure import loads_reconcile as reconcile

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from urllib.parse import quote
 
+from django.conf import settings
 from django.contrib import messages as flash
 from django.contrib.auth.decorators import login_required, permission_required
 from django.core.handlers.asgi import ASGIRequest
@@ -184,6 +185,7 @@ def message_trace(request: HttpRequest, message_id: str) -> HttpResponse:
         "steps": list(zip(current.transitions, current.states, strict=True)),
         "replies": current.replies,
         "response_payload": redacted(current.response.payload) if current.response else None,
+        "payload_keep_hours": settings.REACH_PAYLOAD_KEEP_HOURS,
         "candidates": (row.resolution or {}).get("candidates") or [],
         "resendable": message_is_resendable(row),
         "can_resend": request.user.has_perm("a2a.resend_message"),

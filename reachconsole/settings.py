@@ -258,6 +258,9 @@ REACH_TASK_MAX_SENDS = env_int("REACH_TASK_MAX_SENDS", 5, minimum=1)
 REACH_TASK_WINDOW_S = env_int("REACH_TASK_WINDOW_S", 60, minimum=1)
 # The message table is pruned by age (0 keeps everything).
 REACH_RETENTION_DAYS = env_int("REACH_RETENTION_DAYS", 14, minimum=0)
+# Content is not history: a payload is dropped this long after its row's last change once
+# nothing can send it again (an open request keeps it); 0 keeps payloads as long as the row.
+REACH_PAYLOAD_KEEP_HOURS = env_float("REACH_PAYLOAD_KEEP_HOURS", 24.0, minimum=0.0)
 # Backpressure: messages held for one agent before sends to it answer BUSY at once.
 REACH_QUEUE_LIMIT = env_int("REACH_QUEUE_LIMIT", 1000, minimum=1)
 REACH_MONITOR = env_bool("REACH_MONITOR", True)
@@ -375,6 +378,8 @@ CELERY_BEAT_SCHEDULE = {
     "deliveries-sweep": {"task": "messages.tasks.deliveries_sweep",
                          "schedule": REACH_RETRY_SWEEP_S},
     "messages-prune": {"task": "messages.tasks.messages_prune", "schedule": 3600},
+    # Each minute, so what falls due is a minute's worth of rows, never an hour's backlog.
+    "payloads-drop": {"task": "messages.tasks.payloads_drop", "schedule": 60},
     # The kept in-flight/held counts against the rows they count (messages/backpressure.py).
     "loads-reconcile": {"task": "messages.tasks.loads_reconcile", "schedule": 30},
     "cluster-reconcile": {"task": "roster.tasks.cluster_reconcile",

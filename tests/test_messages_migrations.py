@@ -100,3 +100,23 @@ def test_migration_0009_drops_the_indexes_no_query_reads_and_puts_them_back_reve
     finally:
         migrate(latest())
     assert _indexes() == now
+
+
+def test_migration_0010_keeps_every_payload_stored_and_adds_the_index_of_kept_ones():
+    try:
+        old = migrate([("a2a", "0009_fewer_indexes")])
+        assert "a2a_payload_kept" not in _indexes()
+        message = old.get_model("a2a", "Message")
+        row = message.objects.create(
+            message_id=str(uuid.uuid4()), task_id="t-old", message_type="TASK_REQUEST",
+            direction="SEND", status="COMPLETED", payload={"q": 1})
+    finally:
+        migrate(latest())
+    assert _indexes()["a2a_payload_kept"] == ("updated_at",)
+    kept = Message.objects.get(pk=row.pk)
+    assert (kept.payload, kept.payload_dropped_at) == ({"q": 1}, None)
+    if connection.vendor == "postgresql":  # built CONCURRENTLY: valid once the step is done
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT i.indisvalid FROM pg_index i JOIN pg_class c"
+                           " ON c.oid = i.indexrelid WHERE c.relname = 'a2a_payload_kept'")
+            assert cursor.fetchone() == (True,)

@@ -1,0 +1,162 @@
+"""Content is not history, at 1,000,000 rows: migration 0010 (the column, and the index of
+kept payloads built CONCURRENTLY) and the payload drop, each while a writer keeps inserting.
+
+1. The table at migration 0009 gets `--rows` messages over 7 days (PostgreSQL makes them:
+   bench/timeline.py's rows, each with a payload of about 250 bytes).
+2. Migration 0010 runs while a writer inserts a row every 10 ms on a connection of its own:
+   the migration's time, and the writer's slowest insert meanwhile (a blocking build would
+   hold it for the whole build).
+3. `payloads_drop` (REACH_PAYLOAD_KEEP_HOURS=24) runs as beat runs it, one call after
+   another, until nothing is due: about 6/7 of the rows; the time of one call (at most 50
+   batches of 2,000) and the rows per second, the writer still inserting.
+4. The table's size before and after, with a VACUUM between (what the space is worth once
+   autovacuum has been by).
+
+Runs against its own database, `reachconsole_payloads_bench`.
+
+    .venv/bin/python bench/payloads.py [--rows 1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+
+import common
+import psycopg
+import timeline
+
+DB = "reachconsole_payloads_bench"
+common.BENCH_DB = DB
+common.DATABASE_URL = f"postgres://postgres@{common.HOST}:{common.PG_PORT}/{DB}"
+SEED = timeline.SEED.replace("jsonb_build_object('n', i)",
+                             "jsonb_build_object('n', i, 'question', repeat('x', 220))")
+assert SEED != timeline.SEED
+
+
+class Writer(threading.Thread):
+    """Inserts one message every 10 ms and keeps each insert's latency."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.latencies: list[float] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        with psycopg.connect(common.DATABASE_URL, autocommit=True) as conn:
+            n = 0
+            while not self.stop.is_set():
+                n += 1
+                started = time.perf_counter()
+                conn.execute(
+                    "INSERT INTO a2a_message (message_id, task_id, idempotency_key, message_type,"
+                    " direction, status, from_agent_id, to_agent_id, target_node_id,"
+                    " origin_node_id, reply_node_id, conversation_id, scene_group_id,"
+                    " session_id, topic, headers, payload, error, attempt, in_reply_to,"
+                    " created_at, updated_at, held) VALUES (%s, %s, '', 'TASK_REQUEST', 'SEND',"
+                    " 'PUBLISHED', 'console', 'ns1.agent1', 'node-1', 'console', 'console', '',"
+                    " '', '', '', '{}', '{\"q\": 1}', '', 1, '', now(), now(), false)",
+                    [f"w-{time.time_ns()}-{n}", f"w-task-{n}"])
+                self.latencies.append(time.perf_counter() - started)
+                time.sleep(0.01)
+
+    def window(self) -> tuple[int, float, float]:
+        """Inserts since the last call, their median and slowest ms; starts a new window."""
+        seen, self.latencies = self.latencies, []
+        if not seen:
+            return 0, 0.0, 0.0
+        return len(seen), statistics.median(seen) * 1000, max(seen) * 1000
+
+
+def _migrate(target: list[tuple[str, str]]) -> float:
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    executor = MigrationExecutor(connection)
+    started = time.monotonic()
+    executor.migrate(target)
+    return time.monotonic() - started
+
+
+def _size() -> dict[str, int]:
+    with psycopg.connect(common.DATABASE_URL, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_table_size('a2a_message'), pg_indexes_size('a2a_message'),"
+                           " count(*) FILTER (WHERE payload IS NOT NULL) FROM a2a_message"
+                           ).fetchone()
+    return {"table": row[0], "indexes": row[1], "payloads": row[2]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    args = ap.parse_args(argv)
+    common.check_postgres()
+    common.django_setup(channel_prefix=common.run_tag("payloads"))
+    from django.conf import settings
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    from messages.sweeps import payloads_drop
+
+    leaves = MigrationExecutor(connection).loader.graph.leaf_nodes()
+    _migrate(leaves)
+    _migrate([("a2a", "0009_fewer_indexes")])
+    timeline.SEED = SEED
+    print(f"seeding {args.rows:,} rows at migration 0009", flush=True)
+    timeline.seed(args.rows)
+    out: dict = {"rows": args.rows, "before": _size()}
+
+    writer = Writer()
+    writer.start()
+    time.sleep(2)
+    writer.window()
+    out["migration_s"] = _migrate(leaves)
+    inserts, median, slowest = writer.window()
+    out["migration_writer"] = {"inserts": inserts, "median_ms": median, "slowest_ms": slowest}
+    out["after_migration"] = _size()
+    print(f"migration 0010: {out['migration_s']:.1f} s; the writer meanwhile: {inserts} "
+          f"inserts, median {median:.1f} ms, slowest {slowest:.1f} ms", flush=True)
+
+    settings.REACH_PAYLOAD_KEEP_HOURS = 24
+    calls, dropped, started = [], 0, time.monotonic()
+    while True:
+        t0 = time.monotonic()
+        n = payloads_drop()
+        calls.append((n, time.monotonic() - t0))
+        dropped += n
+        if n == 0:
+            break
+    took = time.monotonic() - started
+    inserts, median, slowest = writer.window()
+    full = [s for n, s in calls if n == 50 * 2000]
+    out["drop"] = {"dropped": dropped, "seconds": took, "rows_per_s": dropped / took,
+                   "calls": len(calls), "full_call_s_median": statistics.median(full)
+                   if full else None, "full_call_s_max": max(full) if full else None,
+                   "writer": {"inserts": inserts, "median_ms": median, "slowest_ms": slowest}}
+    print(f"payloads_drop: {dropped:,} payloads in {took:.1f} s ({dropped / took:,.0f} a "
+          f"second), {len(calls)} calls; a full call (100,000): median "
+          f"{common.fmt(out['drop']['full_call_s_median'], 2)} s, slowest "
+          f"{common.fmt(out['drop']['full_call_s_max'], 2)} s; the writer meanwhile: median "
+          f"{median:.1f} ms, slowest {slowest:.1f} ms", flush=True)
+    writer.stop.set()
+    writer.join()
+    out["after_drop"] = _size()
+    with psycopg.connect(common.DATABASE_URL, autocommit=True) as conn:
+        conn.execute("VACUUM (ANALYZE) a2a_message")
+    out["after_vacuum"] = _size()
+    rows = [[name, f"{s['table'] / 2**20:,.0f}", f"{s['indexes'] / 2**20:,.0f}",
+             f"{s['payloads']:,}"] for name, s in
+            (("at 0009", out["before"]), ("after 0010", out["after_migration"]),
+             ("after the drop", out["after_drop"]), ("after VACUUM", out["after_vacuum"]))]
+    print(common.table(["", "table MB", "indexes MB", "rows with a payload"], rows))
+    out["machine"] = common.machine()
+    path = common.write_result("payloads", out)
+    print(f"written to {path.relative_to(common.ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
