@@ -562,6 +562,10 @@ class RunResult:
     avg_batch: float | None = None
     broker_drop_warnings: int | None = None
     cpu_us_per_row: float | None = None  # the subscriber's own threads, harness excluded
+    # PostgreSQL's CPU (all its processes: an upper bound on a shared box) and the WAL it
+    # wrote, per stored row: what docs/scaling.md sizes a database from.
+    pg_cpu_us_per_row: float | None = None
+    wal_bytes_per_row: float | None = None
     profiled: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -588,6 +592,7 @@ def run_once(side_name: str, mode: str, args: argparse.Namespace, conn: psycopg.
         cpu_before = common.cpu_snapshot()
         worker = side if isinstance(side, WorkerSide) else None
         tree_before = (worker.cpu_s(), worker.cpu_by_part()) if worker else None
+        wal_before = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
         pub = publisher_run(prefix, run, n, rate, args.window)
         if spy is not None:
             # Profile the busy part only: what is left after the last publish drains in
@@ -596,6 +601,8 @@ def run_once(side_name: str, mode: str, args: argparse.Namespace, conn: psycopg.
             profiler_stop(spy)
         rows_wait(conn, side.table, run, n, args.idle)
         cpu = common.cpu_delta(cpu_before, common.cpu_snapshot())
+        wal_bytes = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)",
+                                 [wal_before]).fetchone()[0]
         if worker is not None and tree_before is not None:
             cpu[WORKER_TREE] = round(worker.cpu_s() - tree_before[0], 3)
             parts = common.cpu_delta(tree_before[1], worker.cpu_by_part())
@@ -608,7 +615,8 @@ def run_once(side_name: str, mode: str, args: argparse.Namespace, conn: psycopg.
         _ledger_keep(True, True)
     cpu["publisher"] = pub.get("cpu_s")
     return _result(side_name, mode, n, rate, pub, measured,
-                   log_drops(offset, side.client_ids), profiled, {**extra, "cpu_s": cpu})
+                   log_drops(offset, side.client_ids), profiled,
+                   {**extra, "cpu_s": cpu, "wal_bytes": int(wal_bytes)})
 
 
 def _ledger_keep(tasks: bool, numbers: bool) -> None:
@@ -635,6 +643,9 @@ def _result(side: str, mode: str, n: int, rate: float, pub: dict, m: dict,
         avg_batch=m["rows"] / m["batches"] if m["batches"] else None,
         broker_drop_warnings=drops, profiled=profiled,
         cpu_us_per_row=_cpu_per_row(extra.get("cpu_s", {}), m["rows"]),
+        pg_cpu_us_per_row=(extra.get("cpu_s", {}).get("postgres", 0) / m["rows"] * 1e6
+                           if m["rows"] else None),
+        wal_bytes_per_row=extra.get("wal_bytes", 0) / m["rows"] if m["rows"] else None,
         extra={**extra, "publisher_errors": pub["errors"]},
     )
 
@@ -751,12 +762,14 @@ def verdict(results: list[RunResult]) -> dict[str, Any]:
 
 def print_report(results: list[RunResult], goals: dict[str, Any]) -> None:
     headers = ["side", "mode", "sent", "stored", "lost", "rows/s", "pub msg/s", "p50 ms",
-               "p99 ms", "max ms", "avg batch", "CPU us/row", "drop warnings"]
+               "p99 ms", "max ms", "avg batch", "CPU us/row", "PG us/row", "WAL B/row",
+               "drop warnings"]
     rows = [[r.side + (" (profiled)" if r.profiled else ""), r.mode + (
         f"@{r.rate_target:.0f}/s" if r.rate_target else ""), f"{r.sent:,}", f"{r.rows:,}",
         f"{r.lost:,}", common.fmt(r.rows_per_s, 0), common.fmt(r.publish_rate, 0),
         common.fmt(r.p50_ms), common.fmt(r.p99_ms), common.fmt(r.max_ms),
         common.fmt(r.avg_batch), common.fmt(r.cpu_us_per_row, 0),
+        common.fmt(r.pg_cpu_us_per_row, 0), common.fmt(r.wal_bytes_per_row, 0),
         "n/a" if r.broker_drop_warnings is None
         else str(r.broker_drop_warnings)] for r in results]
     print()
@@ -765,6 +778,8 @@ def print_report(results: list[RunResult], goals: dict[str, Any]) -> None:
           "dropped them).\nlatency = publish -> row created_at, stamped when the batch's "
           "ingest starts.\nCPU us/row = the subscriber's threads (paho, owner/flusher, events) "
           "per stored row; for the worker, its whole process tree from /proc.\n"
+          "PG us/row, WAL B/row = PostgreSQL's CPU (all its processes) and the WAL it wrote, "
+          "per stored row.\n"
           "drop warnings = Mosquitto log lines 'Outgoing messages are being "
           "dropped' for our client (one per episode, not per message).")
     print()

@@ -1,6 +1,6 @@
 """`make bench`: check the services, then bench/resolve.py, layers.py, ingest.py (with the
 console's ledger on and off in the same run), backpressure.py, leases.py, roster_pages.py,
-stream_latency.py, bridges.py, timeline.py and overview.py.
+stream_latency.py, bridges.py, timeline.py, overview.py, retention.py and payloads.py.
 
 Each bench runs in its own process (ingest.py sets Django up against the bench database;
 layers.py needs no database) and writes its JSON into bench/results/. A service that is not
@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     # Its own database (reachconsole_overview_bench): the overview and the stats at a
     # thousand and at a million rows in their window.
     codes.append(bench("overview.py", *(["--strict"] if args.strict else [])))
+    # Their own databases: the retention prune and the payload drop at a million rows.
+    codes.append(bench("retention.py"))
+    codes.append(bench("payloads.py"))
     if any(code == 1 or code < 0 for code in codes):
         print("\nBENCH FAILED: a bench did not run to the end (see above)", file=sys.stderr)
         return 1

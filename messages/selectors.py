@@ -11,6 +11,7 @@ from datetime import datetime, timedelta
 from functools import reduce
 from operator import and_, or_
 
+from django.conf import settings
 from django.db.models import Count, Max, Q, QuerySet, Sum
 from django.utils import timezone
 
@@ -514,3 +515,15 @@ def task_trace(row: Message, *, now: datetime | None = None) -> TaskTrace:
         trace.states = [placed(s) for s in trace.states]
         trace.hops = [placed(h) for h in trace.hops]
     return TaskTrace(attempts=[by_pk[a.pk] for a in attempts], start=start, end=end, more=more)
+
+
+def retention_behind_s(*, now: datetime | None = None) -> float:
+    """How far the oldest message is past the retention, in seconds (0 when the prune keeps
+    up or keeps everything): one read of the created_at index's first entry."""
+    days = settings.REACH_RETENTION_DAYS
+    if days <= 0:
+        return 0.0
+    oldest = Message.objects.order_by("created_at", "id").values_list("created_at",
+                                                                      flat=True).first()
+    cutoff = (now or timezone.now()) - timedelta(days=days)
+    return max(0.0, (cutoff - oldest).total_seconds()) if oldest else 0.0

@@ -13,11 +13,13 @@ silence from a receiver is not judged.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -28,8 +30,11 @@ from messages.models import OPEN_STATUSES, Change, Direction, Message, Status, T
 from messages.outbound import RETRY_STORM, message_next_attempt
 from messages.outbox import outbox_wake
 from messages.protocol import MessageType
+from messages.selectors import retention_behind_s
 from messages.state import atomic_retrying, changes_apply
 from roster.hearing import bus_hearing
+
+log = logging.getLogger(__name__)
 
 SWEEP_BATCH = 500
 
@@ -232,35 +237,66 @@ def _release_held(now: datetime, result: SweepResult) -> list[dict]:
 
 
 PRUNE_BATCH = 2000
+# Seconds of one prune call: beat calls it each minute, so it may take a third of a worker
+# process's time while a backlog lasts, and the rate it keeps up with is what it deletes in
+# that third (docs/performance.md, "Retention at a million rows").
+PRUNE_BUDGET_S = 20.0
 
 
-def messages_prune(*, now: datetime | None = None, max_batches: int = 50) -> int:
+def messages_prune(*, now: datetime | None = None, max_batches: int | None = None,
+                   budget_s: float = PRUNE_BUDGET_S) -> int:
     """Delete messages (and their transitions) older than REACH_RETENTION_DAYS, oldest
-    first, a bounded batch at a time along the created_at index. Returns how many went."""
+    first, a batch of PRUNE_BATCH a transaction along the created_at index, until none is
+    due or `budget_s` is spent (or `max_batches`). Returns how many went; says in the log
+    when the retention is behind after the call.
+
+    Plain DELETEs by primary key, not Django's delete collector: the rows' only dependants
+    are their transitions (deleted first, by their message index) and the resends that
+    point at them (unlinked), so there is nothing for the collector to find, and it cost
+    a query per relation per batch."""
     days = settings.REACH_RETENTION_DAYS
     if days <= 0:
         return 0
     cutoff = (now or timezone.now()) - timedelta(days=days)
-    deleted = 0
-    for _ in range(max_batches):
+    stop_at = time.monotonic() + budget_s
+    deleted = batches = 0
+    while max_batches is None or batches < max_batches:
+        batches += 1
         with transaction.atomic():
-            pks = list(Message.objects.filter(created_at__lt=cutoff).order_by("created_at")
-                       .values_list("pk", flat=True)[:PRUNE_BATCH])
+            pks = list(Message.objects.filter(created_at__lt=cutoff)
+                       .order_by("created_at", "id").values_list("pk", flat=True)[:PRUNE_BATCH])
             if not pks:
                 break
             Message.objects.filter(resend_of__in=pks).update(resend_of=None)
-            Transition.objects.filter(message_id__in=pks).delete()
-            deleted += Message.objects.filter(pk__in=pks).delete()[1].get("a2a.Message", 0)
+            _delete_by_pk(Transition._meta.db_table, "message_id", pks)
+            deleted += _delete_by_pk(Message._meta.db_table, "id", pks)
+        if len(pks) < PRUNE_BATCH or time.monotonic() >= stop_at:
+            break
     # Tasks go with their rows: one whose last change is past the retention has none left
     # (its rows were written by then), and its list entry would lead to an empty trace.
-    for _ in range(max_batches):
+    # Oldest first along the task list's created_at index: a task began before it ended.
+    while True:  # at least one batch a call, whatever the messages took
         with transaction.atomic():
-            stale = list(Task.objects.filter(updated_at__lt=cutoff).order_by("id")
-                         .values_list("pk", flat=True)[:PRUNE_BATCH])
+            stale = list(Task.objects.filter(created_at__lt=cutoff, updated_at__lt=cutoff)
+                         .order_by("created_at", "id").values_list("pk", flat=True)[:PRUNE_BATCH])
             if not stale:
                 break
-            Task.objects.filter(pk__in=stale).delete()
+            _delete_by_pk(Task._meta.db_table, "id", stale)
+        if len(stale) < PRUNE_BATCH or time.monotonic() >= stop_at:
+            break
+    behind = retention_behind_s(now=now) if time.monotonic() >= stop_at else 0.0
+    if behind:
+        log.warning("retention is behind: the oldest message is %.1f h past "
+                    "REACH_RETENTION_DAYS=%g; this call deleted %d in %.0f s (the next "
+                    "goes on in a minute)", behind / 3600, days, deleted, budget_s)
     return deleted
+
+
+def _delete_by_pk(table: str, column: str, keys: list[int]) -> int:
+    placeholders = ", ".join(["%s"] * len(keys))
+    with connection.cursor() as cursor:
+        cursor.execute(f"DELETE FROM {table} WHERE {column} IN ({placeholders})", keys)  # noqa: S608 - names are the models' own
+        return cursor.rowcount
 
 
 def _payload_droppable() -> Q:

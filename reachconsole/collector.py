@@ -27,7 +27,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import CollectorRegistry
 
 from alarms.selectors import active_by_kind
-from messages.selectors import load_totals, open_counts
+from messages.selectors import load_totals, open_counts, retention_behind_s
 from messages.tally import LATENCY
 from reachconsole.core.metrics import HIST_PREFIX, counters_snapshot, histogram_read
 from roster.hearing import bridges_hearing
@@ -55,7 +55,7 @@ DUPLICATES = {"duplicate_message_id": "message_id",
 GAUGES = frozenset({"reach_agents", "reach_agents_stale", "reach_nodes",
                     "reach_roster_consistency", "reach_inflight", "reach_held",
                     "reach_messages_open", "reach_bridge_connected", "reach_scrape_source_ok",
-                    "reach_alarms_active"})
+                    "reach_alarms_active", "reach_retention_behind_seconds"})
 _NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _warned_at: dict[str, float] = {}
 
@@ -160,7 +160,10 @@ def database_families() -> list[Metric]:
                               "over all agents", value=inflight),
             GaugeMetricFamily("reach_held", "Task requests held back behind their agent's "
                               "maxInflight, over all agents", value=held),
-            open_rows, connected]
+            open_rows, connected,
+            GaugeMetricFamily("reach_retention_behind_seconds", "How far the oldest message is "
+                              "past REACH_RETENTION_DAYS: 0 while the prune keeps up",
+                              value=retention_behind_s(now=now))]
 
 
 class ConsoleCollector:

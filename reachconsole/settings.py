@@ -256,8 +256,8 @@ REACH_RETRY_SWEEP_S = env_float("REACH_RETRY_SWEEP_S", 0.5, minimum=0.05)
 # The retry-storm guard: transmissions of one task id per window, across the console.
 REACH_TASK_MAX_SENDS = env_int("REACH_TASK_MAX_SENDS", 5, minimum=1)
 REACH_TASK_WINDOW_S = env_int("REACH_TASK_WINDOW_S", 60, minimum=1)
-# The message table is pruned by age (0 keeps everything).
-REACH_RETENTION_DAYS = env_int("REACH_RETENTION_DAYS", 14, minimum=0)
+# The message table is pruned by age (0 keeps everything); a decimal is taken (0.5 = 12 h).
+REACH_RETENTION_DAYS = env_float("REACH_RETENTION_DAYS", 14.0, minimum=0.0)
 # Content is not history: a payload is dropped this long after its row's last change once
 # nothing can send it again (an open request keeps it); 0 keeps payloads as long as the row.
 REACH_PAYLOAD_KEEP_HOURS = env_float("REACH_PAYLOAD_KEEP_HOURS", 24.0, minimum=0.0)
@@ -377,7 +377,8 @@ CELERY_BEAT_SCHEDULE = {
     "nodes-sweep": {"task": "roster.tasks.nodes_sweep", "schedule": max(REACH_LEASE_SWEEP_S, 2)},
     "deliveries-sweep": {"task": "messages.tasks.deliveries_sweep",
                          "schedule": REACH_RETRY_SWEEP_S},
-    "messages-prune": {"task": "messages.tasks.messages_prune", "schedule": 3600},
+    # Each minute, within a budget (messages/sweeps.py): what falls due is a minute's rows.
+    "messages-prune": {"task": "messages.tasks.messages_prune", "schedule": 60},
     # Each minute, so what falls due is a minute's worth of rows, never an hour's backlog.
     "payloads-drop": {"task": "messages.tasks.payloads_drop", "schedule": 60},
     # The kept in-flight/held counts against the rows they count (messages/backpressure.py).
