@@ -277,7 +277,8 @@ def message_detail(request: HttpRequest, message_id: str):
     ]
     out["replies"] = [
         {"messageId": m.message_id, "messageType": m.message_type, "status": m.status,
-         "payload": redacted(m.payload), "createdAt": m.created_at.isoformat()}
+         "payload": redacted(m.payload), "payloadDroppedAt": _iso(m.payload_dropped_at),
+         "createdAt": m.created_at.isoformat()}
         for m in message_replies(row)
     ]
     return Status(200, out)

@@ -228,10 +228,12 @@ class Message(models.Model):
                          condition=Q(status__in=["SENT", "PUBLISHED", "ACKED", "RETRYING",
                                                  "OBSERVED"],
                                      deadline_at__isnull=False)),
-            # The payloads still kept, oldest change first: the drop sweep reads what is due
-            # and the index shrinks as payloads go (observed rows have none by default).
+            # The content still kept (requests' and responses' payloads), oldest change first:
+            # what the drop sweep walks holds only what it may drop, so its walk costs what
+            # is kept for REACH_PAYLOAD_KEEP_HOURS, not the whole retention's ACKs.
             models.Index(fields=["updated_at"], name="a2a_payload_kept",
-                         condition=Q(payload__isnull=False)),
+                         condition=Q(payload__isnull=False,
+                                     message_type__in=["TASK_REQUEST", "TASK_RESPONSE"])),
         ]
         permissions = [("resend_message", "Can resend a message from the console"),
                        ("cancel_task", "Can cancel a task from the console")]

@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Q
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from messages.backpressure import held_release, loads_to_release, task_locks
@@ -260,11 +260,14 @@ def messages_prune(*, now: datetime | None = None, max_batches: int | None = Non
     cutoff = (now or timezone.now()) - timedelta(days=days)
     stop_at = time.monotonic() + budget_s
     deleted = batches = 0
+    # Never what is still under way, whatever a short retention says: the outbox's rows and
+    # open requests (their deadline ends them, and the next call takes them).
+    due = Message.objects.filter(_settled(), created_at__lt=cutoff)
     while max_batches is None or batches < max_batches:
         batches += 1
         with transaction.atomic():
-            pks = list(Message.objects.filter(created_at__lt=cutoff)
-                       .order_by("created_at", "id").values_list("pk", flat=True)[:PRUNE_BATCH])
+            pks = list(due.order_by("created_at", "id").values_list("pk", flat=True)
+                       [:PRUNE_BATCH])
             if not pks:
                 break
             Message.objects.filter(resend_of__in=pks).update(resend_of=None)
@@ -299,33 +302,59 @@ def _delete_by_pk(table: str, column: str, keys: list[int]) -> int:
         return cursor.rowcount
 
 
-def _payload_droppable() -> Q:
-    """Rows whose payload nothing will send again: never one still in the outbox (SENT),
-    nor a request still open (a retry copies its payload). A final request may be resent,
-    which is why the drop waits REACH_PAYLOAD_KEEP_HOURS after its last change."""
+def _settled() -> Q:
+    """Rows nothing will send or retry any more: not in the outbox (SENT), and not a request
+    still open (a retry copies its payload; its deadline ends it)."""
     open_request = Q(message_type=MessageType.TASK_REQUEST, status__in=OPEN_STATUSES)
-    return Q(payload__isnull=False) & ~Q(status=Status.SENT) & ~open_request
+    return ~Q(status=Status.SENT) & ~open_request
 
 
-def payloads_drop(*, now: datetime | None = None, max_batches: int = 50) -> int:
-    """Drop the payloads kept past REACH_PAYLOAD_KEEP_HOURS: the column goes to NULL and
-    `payload_dropped_at` says when, so the trace and the API can say so; status, times,
-    transitions and outcome stay. Oldest change first along `a2a_payload_kept`, a bounded
-    batch a transaction. Returns how many payloads went."""
-    hours = settings.REACH_PAYLOAD_KEEP_HOURS
-    if hours <= 0:
+# The payloads that are content: a task's request and its response. The others (an ACK's
+# duplicate flag, a NACK's reason, a CANCEL's ids) are the protocol's own words, read by the
+# numbers' rebuild (messages/rollups.py) and kept with their rows.
+CONTENT_TYPES = (MessageType.TASK_REQUEST, MessageType.TASK_RESPONSE)
+# Seconds of one drop call, beside the prune's in the same minute of a worker process.
+DROP_BUDGET_S = 10.0
+
+
+def payloads_due(*, now: datetime) -> QuerySet[Message]:
+    """The rows whose payload is due to go, oldest change first: content, settled, unchanged
+    for REACH_PAYLOAD_KEEP_HOURS, past their task's deadline (a late retryable NACK may still
+    ask for another attempt until then), and not yet due to the retention prune, which takes
+    the whole row anyway."""
+    due = Message.objects.filter(
+        _settled(), Q(deadline_at__isnull=True) | Q(deadline_at__lte=now),
+        payload__isnull=False, message_type__in=CONTENT_TYPES,
+        updated_at__lt=now - timedelta(hours=settings.REACH_PAYLOAD_KEEP_HOURS))
+    if settings.REACH_RETENTION_DAYS > 0:
+        due = due.filter(created_at__gte=now - timedelta(days=settings.REACH_RETENTION_DAYS))
+    return due.order_by("updated_at")
+
+
+def payloads_drop(*, now: datetime | None = None, max_batches: int | None = None,
+                  budget_s: float = DROP_BUDGET_S) -> int:
+    """Drop the payloads kept past REACH_PAYLOAD_KEEP_HOURS (`payloads_due`): the column goes
+    to NULL and `payload_dropped_at` says when, so the trace and the API can say so; status,
+    times, transitions and outcome stay. Oldest change first along `a2a_payload_kept`, a batch
+    a statement, until none is due or `budget_s` is spent. Returns how many payloads went."""
+    if settings.REACH_PAYLOAD_KEEP_HOURS <= 0:
         return 0
     now = now or timezone.now()
-    cutoff = now - timedelta(hours=hours)
-    due = Message.objects.filter(_payload_droppable(), updated_at__lt=cutoff)
-    dropped = 0
-    for _ in range(max_batches):
-        pks = list(due.order_by("updated_at").values_list("pk", flat=True)[:PRUNE_BATCH])
+    due = payloads_due(now=now)
+    stop_at = time.monotonic() + budget_s
+    dropped = batches = 0
+    while max_batches is None or batches < max_batches:
+        batches += 1
+        pks = list(due.values_list("pk", flat=True)[:PRUNE_BATCH])
         if not pks:
             break
         # The same conditions again in the UPDATE: a row that changed since it was read
         # (a late answer moves updated_at) keeps its payload until it is due again.
         dropped += due.filter(pk__in=pks).update(payload=None, payload_dropped_at=now)
         if len(pks) < PRUNE_BATCH:
+            break
+        if time.monotonic() >= stop_at:
+            log.warning("the payload drop is behind: %d dropped in %.0f s and more are due "
+                        "(the next call goes on in a minute)", dropped, budget_s)
             break
     return dropped

@@ -142,10 +142,14 @@ def message_new_count(request: HttpRequest) -> HttpResponse:
 
 EXPORT_FIELDS = ("id", "createdAt", "messageId", "taskId", "messageType", "direction",
                  "status", "error", "attempt", "fromAgentId", "toAgentId", "targetNodeId",
-                 "originNodeId", "conversationId", "sceneGroupId", "sessionId", "payload")
+                 "originNodeId", "conversationId", "sceneGroupId", "sessionId", "payload",
+                 "payloadDroppedAt")
 def _exported(row: Message) -> dict:
     return {"id": row.pk, "createdAt": row.created_at.isoformat(), **message_fields(row),
-            "originNodeId": row.origin_node_id or None, "payload": redacted(row.payload)}
+            "originNodeId": row.origin_node_id or None, "payload": redacted(row.payload),
+            # null payload: never stored (observed), or dropped then (REACH_PAYLOAD_KEEP_HOURS)
+            "payloadDroppedAt": row.payload_dropped_at.isoformat() if row.payload_dropped_at
+            else None}
 
 
 def _export_chunks(flt: MessageFilter, kind: str) -> Iterator[str]:

@@ -162,7 +162,8 @@ def database_families() -> list[Metric]:
                               "maxInflight, over all agents", value=held),
             open_rows, connected,
             GaugeMetricFamily("reach_retention_behind_seconds", "How far the oldest message is "
-                              "past REACH_RETENTION_DAYS: 0 while the prune keeps up",
+                              "past REACH_RETENTION_DAYS: under a minute while the prune "
+                              "(each minute) keeps up",
                               value=retention_behind_s(now=now))]
 
 

@@ -102,7 +102,7 @@ def test_migration_0009_drops_the_indexes_no_query_reads_and_puts_them_back_reve
     assert _indexes() == now
 
 
-def test_migration_0010_keeps_every_payload_stored_and_adds_the_index_of_kept_ones():
+def test_migrations_0010_0011_keep_every_payload_stored_and_add_the_index_of_kept_ones():
     try:
         old = migrate([("a2a", "0009_fewer_indexes")])
         assert "a2a_payload_kept" not in _indexes()
@@ -120,3 +120,26 @@ def test_migration_0010_keeps_every_payload_stored_and_adds_the_index_of_kept_on
             cursor.execute("SELECT i.indisvalid FROM pg_index i JOIN pg_class c"
                            " ON c.oid = i.indexrelid WHERE c.relname = 'a2a_payload_kept'")
             assert cursor.fetchone() == (True,)
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="a concurrent build is PostgreSQL's")
+def test_migration_0011_rerun_after_a_failed_concurrent_build_builds_the_index_again():
+    def valid() -> list[tuple[bool]]:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT i.indisvalid FROM pg_index i JOIN pg_class c"
+                           " ON c.oid = i.indexrelid WHERE c.relname = 'a2a_payload_kept'")
+            return cursor.fetchall()
+
+    try:
+        migrate([("a2a", "0010_payload_retention")])
+        assert valid() == []
+        # What a build that failed half-way leaves: the index, marked INVALID.
+        with connection.cursor() as cursor:
+            cursor.execute("CREATE INDEX a2a_payload_kept ON a2a_message (updated_at)"
+                           " WHERE payload IS NOT NULL AND message_type = 'TASK_REQUEST'")
+            cursor.execute("UPDATE pg_index SET indisvalid = false WHERE indexrelid ="
+                           " 'a2a_payload_kept'::regclass")
+        assert valid() == [(False,)]
+    finally:
+        migrate(latest())
+    assert valid() == [(True,)]

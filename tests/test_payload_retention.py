@@ -14,7 +14,7 @@ from messages.models import Direction, Message, Status, Transition
 from messages.outbound import SendRefused, SendRequest, message_send, messages_resend
 from messages.protocol import MessageType
 from messages.selectors import message_is_resendable, resendable
-from messages.sweeps import payloads_drop
+from messages.sweeps import payloads_drop, payloads_due
 from tests.conftest import logged_in, reader, register, staff_user
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
@@ -38,7 +38,8 @@ def stored(status: str, *, message_type: str = MessageType.TASK_REQUEST,
 
 
 def last_changed(row: Message, when) -> None:
-    Message.objects.filter(pk=row.pk).update(updated_at=when)
+    """`row` written, ended and last changed at `when` (its deadline too)."""
+    Message.objects.filter(pk=row.pk).update(created_at=when, updated_at=when, deadline_at=when)
 
 
 def test_what_nothing_will_send_again_loses_its_payload_after_the_keep(now, settings):
@@ -146,11 +147,34 @@ def test_the_trace_says_the_payload_was_dropped_and_when(now, settings):
     assert 'id="resend"' not in operator.get(f"/messages/{row.message_id}/").content.decode()
 
 
+def test_what_may_still_be_needed_keeps_its_payload(now, settings):
+    settings.REACH_PAYLOAD_KEEP_HOURS = 24
+    settings.REACH_RETENTION_DAYS = 14
+    old = now - timedelta(hours=30)
+    # The protocol's own words: an ACK's duplicate flag is read by the numbers' rebuild.
+    ack = stored(Status.PUBLISHED, message_type=MessageType.ACK)
+    # A request whose task has not reached its deadline: a late retryable NACK may still
+    # ask for another attempt, which copies the payload.
+    failed_early = failed(task_id="t-early")
+    # Past the retention: the prune takes the whole row; no point writing it again first.
+    ancient = failed(task_id="t-ancient")
+    for row in (ack, failed_early):
+        last_changed(row, old)
+    Message.objects.filter(pk=failed_early.pk).update(deadline_at=now + timedelta(hours=1))
+    last_changed(ancient, now - timedelta(days=15))
+
+    assert payloads_drop(now=now) == 0
+    assert Message.objects.filter(payload_dropped_at__isnull=False).count() == 0
+    # Once the task's deadline has passed, the request's goes.
+    assert payloads_drop(now=now + timedelta(hours=2)) == 1
+    assert Message.objects.get(pk=failed_early.pk).payload is None
+    assert Message.objects.get(pk=ack.pk).payload == SECRET
+
+
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="reads PostgreSQL's plan")
 def test_the_sweep_reads_the_partial_index_of_kept_payloads(now):
     failed(task_id="t-plan")
-    due = (Message.objects.filter(payload__isnull=False, updated_at__lt=now)
-           .order_by("updated_at").values_list("pk", flat=True)[:2000])
+    due = payloads_due(now=now).values_list("pk", flat=True)[:2000]
     with transaction.atomic(), connection.cursor() as cursor:
         # A test table is small enough to scan; the question is whether the index serves.
         cursor.execute("SET LOCAL enable_seqscan = off")

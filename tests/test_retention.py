@@ -9,10 +9,11 @@ from datetime import timedelta
 
 import pytest
 
-from messages.models import Message, Task, Transition
+from messages.models import Message, Status, Task, Transition
 from messages.outbound import SendRequest, message_send
 from messages.selectors import retention_behind_s
 from messages.sweeps import messages_prune
+from tests.conftest import register
 from tests.test_metrics import metrics, value
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
@@ -54,7 +55,23 @@ def test_a_retention_of_a_few_minutes_is_taken(now, settings):
     fresh = sent(now - timedelta(minutes=4))
     assert messages_prune(now=now) == 1
     assert list(Message.objects.values_list("pk", flat=True)) == [fresh.pk]
-    assert stale.pk != fresh.pk
+    assert not Message.objects.filter(pk=stale.pk).exists()
+
+
+def test_what_is_still_under_way_outlives_a_short_retention(now, settings):
+    """A retention shorter than a task's life never deletes the outbox's rows or an open
+    request: the deadline ends them, and a later call takes them."""
+    settings.REACH_RETENTION_DAYS = 0.0035
+    register("fin.tax", "node-b")
+    open_request = message_send(request=SendRequest(to="fin.tax", timeout_ms=3_600_000),
+                                now=now - timedelta(minutes=10))
+    assert open_request.status == Status.SENT
+    ended = sent(now - timedelta(minutes=10))
+    assert messages_prune(now=now) == 1
+    assert list(Message.objects.values_list("pk", flat=True)) == [open_request.pk]
+    Message.objects.filter(pk=open_request.pk).update(status=Status.EXPIRED)
+    assert messages_prune(now=now) == 1
+    assert not Message.objects.filter(pk__in=[open_request.pk, ended.pk]).exists()
 
 
 def test_a_call_stops_at_its_budget_and_says_the_retention_is_behind(now, settings,
