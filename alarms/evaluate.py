@@ -43,6 +43,7 @@ from directory.coverage import Coverage, capability_coverage
 from messages.ledger import AGENT, ALL
 from messages.models import Status
 from messages.rollups import FAILED_OUTCOMES, SubjectStats, subject_stats, subjects_stats
+from messages.selectors import retention_behind_s
 from reachconsole import health
 from reachconsole.core.broker_drops import broker_drops_read
 from roster.models import Agent, ClusterNode
@@ -232,6 +233,20 @@ def _drops(found: Found) -> None:
             "hour after the last drop."))
 
 
+def _retention(found: Found, *, now: datetime) -> None:
+    """One read of the timeline index's first entry (messages.selectors.retention_behind_s)."""
+    if retention_behind_s(now=now) <= settings.REACH_ALARM_RETENTION_BEHIND_S:
+        return
+    # Words that stay the same while it holds: how far behind is the gauge's to say.
+    found.add(Condition(
+        Kind.RETENTION_BEHIND, CONSOLE, Severity.WARNING,
+        f"Messages older than REACH_RETENTION_DAYS={settings.REACH_RETENTION_DAYS:g} are still "
+        f"stored, more than {settings.REACH_ALARM_RETENTION_BEHIND_S // 60} minutes past it: "
+        "the retention prune (each minute, up to 20 s) deletes fewer messages than arrive, or "
+        "beat does not run it. reach_retention_behind_seconds says by how much; the database's "
+        "disk fills while it holds (docs/scaling.md: where deletes stop keeping up)."))
+
+
 def _agents(found: Found, *, now: datetime, down_nodes: set[str], active: set[Key]) -> None:
     stats = subjects_stats(scope=AGENT, window=WINDOW, now=now)
     failing = {a for a, s in stats.items()
@@ -280,6 +295,7 @@ def conditions_find(*, now: datetime) -> Found:
     _delivery(found, now=now, active=active)
     _drops(found)
     _agents(found, now=now, down_nodes=down_nodes, active=active)
+    _retention(found, now=now)
     for key, condition in list(found.conditions.items()):
         if condition.parent is not None and condition.parent not in found.conditions:
             found.conditions[key] = Condition(condition.kind, condition.subject,

@@ -19,6 +19,7 @@ class Alarm(models.Model):
         BROKER_DROPS = "broker_drops", "the broker dropped messages"
         TASKS_EXPIRING = "tasks_expiring", "tasks expiring"
         AGENT_FAILING = "agent_failing", "agent failing"
+        RETENTION_BEHIND = "retention_behind", "history outgrowing its retention"
 
     class Severity(models.TextChoices):
         CRITICAL = "critical", "critical"

@@ -368,6 +368,9 @@ REACH_ALARM_MIN_TASKS = env_int("REACH_ALARM_MIN_TASKS", 5, minimum=1)
 REACH_ALARM_CLEAR_MARGIN = env_float("REACH_ALARM_CLEAR_MARGIN", 0.05, minimum=0.0)
 # Task requests to one agent found EXPIRED in 5 minutes that raise tasks_expiring.
 REACH_ALARM_EXPIRED_MIN = env_int("REACH_ALARM_EXPIRED_MIN", 3, minimum=1)
+# retention_behind fires once the oldest message is this far past REACH_RETENTION_DAYS: the
+# prune (each minute) leaves about a minute while it keeps up.
+REACH_ALARM_RETENTION_BEHIND_S = env_int("REACH_ALARM_RETENTION_BEHIND_S", 900, minimum=120)
 # Cleared alarms are kept this long (0 keeps them all).
 REACH_ALARM_RETENTION_DAYS = env_int("REACH_ALARM_RETENTION_DAYS", 30, minimum=0)
 

@@ -343,6 +343,31 @@ def test_the_bus_not_heard_and_the_brokers_drops_fire_and_clear(settings):
     assert sorted(result.cleared) == [(K.BROKER_DROPS, "console"), (K.BUS_NOT_HEARD, "console")]
 
 
+def test_history_past_its_retention_raises_retention_behind_until_the_prune_catches_up(
+        settings, viewer):
+    from messages.outbound import SendRequest, message_send
+    from messages.sweeps import messages_prune
+
+    settings.REACH_RETENTION_DAYS = 1
+    now = timezone.now()
+    # Past the retention, but by less than the alarm's margin: the prune's next call takes it.
+    message_send(request=SendRequest(to="fin.nobody"),
+                 now=now - timedelta(days=1, minutes=5))
+    alarms_evaluate(now=now)
+    assert not Alarm.objects.filter(kind=K.RETENTION_BEHIND).exists()
+
+    message_send(request=SendRequest(to="fin.nobody"), now=now - timedelta(days=3))
+    alarms_evaluate(now=now)
+    alarm = one(K.RETENTION_BEHIND, "console")
+    assert "older than REACH_RETENTION_DAYS=1 are still stored" in alarm.detail
+    html = viewer.get("/alarms/").content.decode()
+    assert "The message history outgrows its retention" in html
+    assert escape("/messages/?until=1440") in html  # the rows past the retention
+
+    assert messages_prune(now=now) == 2
+    assert alarms_evaluate(now=now).cleared == [(K.RETENTION_BEHIND, "console")]
+
+
 # --- acknowledging -----------------------------------------------------------------------
 def test_an_acknowledgement_is_audited_and_the_alarm_stays_until_it_clears(uncovered):
     alarms_evaluate()

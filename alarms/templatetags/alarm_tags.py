@@ -4,6 +4,7 @@ overview's strip alike."""
 from __future__ import annotations
 
 from django import template
+from django.conf import settings
 from django.urls import NoReverseMatch, reverse
 from django.utils.http import urlencode
 
@@ -19,6 +20,7 @@ HEADLINES = {
     Alarm.Kind.BROKER_DROPS: "The MQTT broker dropped messages",
     Alarm.Kind.TASKS_EXPIRING: "Tasks to {subject} are expiring",
     Alarm.Kind.AGENT_FAILING: "{subject} is failing its tasks",
+    Alarm.Kind.RETENTION_BEHIND: "The message history outgrows its retention",
 }
 
 
@@ -57,4 +59,9 @@ def alarm_links(alarm: Alarm) -> list[tuple[str, str]]:
     if kind == Alarm.Kind.DELIVERY_FAILING:
         return [("the broker and deliveries", f"{reverse('overview')}#ov-broker"),
                 ("expired tasks", f"{messages}?status=EXPIRED")]
+    if kind == Alarm.Kind.RETENTION_BEHIND:
+        # The timeline's `until` is minutes ago: the rows older than the retention.
+        minutes = max(1, int(settings.REACH_RETENTION_DAYS * 1440))
+        return [("the messages past the retention",
+                 f"{messages}?{urlencode({'until': str(minutes)})}")]
     return [("the broker", f"{reverse('overview')}#ov-broker")]
