@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -312,3 +314,53 @@ def signed_in_client(username: str, *codenames: str):
     client = Client()
     client.force_login(user)
     return client
+
+
+# --- what the history benches share (bench/payloads.py, bench/retention.py) ---------------
+class Writer(threading.Thread):
+    """Inserts one message every 10 ms and keeps each insert's latency."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.latencies: list[float] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        import psycopg
+
+        with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
+            n = 0
+            while not self.stop.is_set():
+                n += 1
+                started = time.perf_counter()
+                conn.execute(
+                    "INSERT INTO a2a_message (message_id, task_id, idempotency_key, message_type,"
+                    " direction, status, from_agent_id, to_agent_id, target_node_id,"
+                    " origin_node_id, reply_node_id, conversation_id, scene_group_id,"
+                    " session_id, topic, headers, payload, error, attempt, in_reply_to,"
+                    " created_at, updated_at, held) VALUES (%s, %s, '', 'TASK_REQUEST', 'SEND',"
+                    " 'PUBLISHED', 'console', 'ns1.agent1', 'node-1', 'console', 'console', '',"
+                    " '', '', '', '{}', '{\"q\": 1}', '', 1, '', now(), now(), false)",
+                    [f"w-{time.time_ns()}-{n}", f"w-task-{n}"])
+                self.latencies.append(time.perf_counter() - started)
+                time.sleep(0.01)
+
+    def window(self) -> tuple[int, float, float]:
+        """Inserts since the last call, their median and slowest ms; starts a new window."""
+        seen, self.latencies = self.latencies, []
+        if not seen:
+            return 0, 0.0, 0.0
+        return len(seen), statistics.median(seen) * 1000, max(seen) * 1000
+
+
+def calls_until_none(call) -> tuple[list[tuple[int, float]], int, float]:
+    """`call()` again and again, as beat would each minute, until it does nothing: each
+    call's (count, seconds), the sum of the counts and the whole time."""
+    calls, total, started = [], 0, time.monotonic()
+    while True:
+        t0 = time.monotonic()
+        n = call()
+        calls.append((n, time.monotonic() - t0))
+        total += n
+        if n == 0:
+            return calls, total, time.monotonic() - started

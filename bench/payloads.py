@@ -21,9 +21,7 @@ Runs against its own database, `reachconsole_payloads_bench`.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import threading
 import time
 
 import common
@@ -36,40 +34,6 @@ common.DATABASE_URL = f"postgres://postgres@{common.HOST}:{common.PG_PORT}/{DB}"
 SEED = timeline.SEED.replace("jsonb_build_object('n', i)",
                              "jsonb_build_object('n', i, 'question', repeat('x', 220))")
 assert SEED != timeline.SEED
-
-
-class Writer(threading.Thread):
-    """Inserts one message every 10 ms and keeps each insert's latency."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.latencies: list[float] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        with psycopg.connect(common.DATABASE_URL, autocommit=True) as conn:
-            n = 0
-            while not self.stop.is_set():
-                n += 1
-                started = time.perf_counter()
-                conn.execute(
-                    "INSERT INTO a2a_message (message_id, task_id, idempotency_key, message_type,"
-                    " direction, status, from_agent_id, to_agent_id, target_node_id,"
-                    " origin_node_id, reply_node_id, conversation_id, scene_group_id,"
-                    " session_id, topic, headers, payload, error, attempt, in_reply_to,"
-                    " created_at, updated_at, held) VALUES (%s, %s, '', 'TASK_REQUEST', 'SEND',"
-                    " 'PUBLISHED', 'console', 'ns1.agent1', 'node-1', 'console', 'console', '',"
-                    " '', '', '', '{}', '{\"q\": 1}', '', 1, '', now(), now(), false)",
-                    [f"w-{time.time_ns()}-{n}", f"w-task-{n}"])
-                self.latencies.append(time.perf_counter() - started)
-                time.sleep(0.01)
-
-    def window(self) -> tuple[int, float, float]:
-        """Inserts since the last call, their median and slowest ms; starts a new window."""
-        seen, self.latencies = self.latencies, []
-        if not seen:
-            return 0, 0.0, 0.0
-        return len(seen), statistics.median(seen) * 1000, max(seen) * 1000
 
 
 def _migrate(target: list[tuple[str, str]]) -> float:
@@ -110,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     timeline.seed(args.rows)
     out: dict = {"rows": args.rows, "before": _size()}
 
-    writer = Writer()
+    writer = common.Writer()
     writer.start()
     time.sleep(2)
     writer.window()
@@ -122,15 +86,7 @@ def main(argv: list[str] | None = None) -> int:
           f"inserts, median {median:.1f} ms, slowest {slowest:.1f} ms", flush=True)
 
     settings.REACH_PAYLOAD_KEEP_HOURS = 24
-    calls, dropped, started = [], 0, time.monotonic()
-    while True:
-        t0 = time.monotonic()
-        n = payloads_drop()
-        calls.append((n, time.monotonic() - t0))
-        dropped += n
-        if n == 0:
-            break
-    took = time.monotonic() - started
+    calls, dropped, took = common.calls_until_none(payloads_drop)
     inserts, median, slowest = writer.window()
     out["drop"] = {"dropped": dropped, "seconds": took, "rows_per_s": dropped / took,
                    "calls": [{"dropped": n, "seconds": round(sec, 2)} for n, sec in calls],

@@ -23,7 +23,6 @@ from datetime import timedelta
 import common
 import psycopg
 import timeline
-from payloads import Writer
 
 DB = "reachconsole_retention_bench"
 common.BENCH_DB = DB
@@ -65,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{t} {v['table']:,.0f} + indexes {v['indexes']:,.0f}" for t, v in per_message.items())
         + f"; in all {total:,.0f}", flush=True)
 
-    writer = Writer()
+    writer = common.Writer()
     writer.start()
     time.sleep(2)
     writer.window()
@@ -73,15 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     # written after the seeding, are not.
     settings.REACH_RETENTION_DAYS = 1
     now = seeded_at + timedelta(days=1)
-    calls, deleted, started = [], 0, time.monotonic()
-    while True:
-        t0 = time.monotonic()
-        n = messages_prune(now=now)
-        calls.append((n, time.monotonic() - t0))
-        deleted += n
-        if n == 0:
-            break
-    took = time.monotonic() - started
+    calls, deleted, took = common.calls_until_none(lambda: messages_prune(now=now))
     inserts, median, slowest = writer.window()
     writer.stop.set()
     writer.join()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -259,40 +260,49 @@ def messages_prune(*, now: datetime | None = None, max_batches: int | None = Non
         return 0
     cutoff = (now or timezone.now()) - timedelta(days=days)
     stop_at = time.monotonic() + budget_s
-    deleted = batches = 0
     # Never what is still under way, whatever a short retention says: the outbox's rows and
     # open requests (their deadline ends them, and the next call takes them).
-    due = Message.objects.filter(_settled(), created_at__lt=cutoff)
-    while max_batches is None or batches < max_batches:
-        batches += 1
-        with transaction.atomic():
-            pks = list(due.order_by("created_at", "id").values_list("pk", flat=True)
-                       [:PRUNE_BATCH])
-            if not pks:
-                break
-            Message.objects.filter(resend_of__in=pks).update(resend_of=None)
-            _delete_by_pk(Transition._meta.db_table, "message_id", pks)
-            deleted += _delete_by_pk(Message._meta.db_table, "id", pks)
-        if len(pks) < PRUNE_BATCH or time.monotonic() >= stop_at:
-            break
+    due = Message.objects.filter(_settled(), created_at__lt=cutoff).order_by("created_at", "id")
+
+    def delete(pks: list[int]) -> int:
+        Message.objects.filter(resend_of__in=pks).update(resend_of=None)
+        _delete_by_pk(Transition._meta.db_table, "message_id", pks)
+        return _delete_by_pk(Message._meta.db_table, "id", pks)
+
+    deleted, more = _in_batches(due, delete, stop_at=stop_at, max_batches=max_batches)
     # Tasks go with their rows: one whose last change is past the retention has none left
     # (its rows were written by then), and its list entry would lead to an empty trace.
     # Oldest first along the task list's created_at index: a task began before it ended.
-    while True:  # at least one batch a call, whatever the messages took
-        with transaction.atomic():
-            stale = list(Task.objects.filter(created_at__lt=cutoff, updated_at__lt=cutoff)
-                         .order_by("created_at", "id").values_list("pk", flat=True)[:PRUNE_BATCH])
-            if not stale:
-                break
-            _delete_by_pk(Task._meta.db_table, "id", stale)
-        if len(stale) < PRUNE_BATCH or time.monotonic() >= stop_at:
-            break
-    behind = retention_behind_s(now=now) if time.monotonic() >= stop_at else 0.0
+    stale = (Task.objects.filter(created_at__lt=cutoff, updated_at__lt=cutoff)
+             .order_by("created_at", "id"))
+    _in_batches(stale, lambda pks: _delete_by_pk(Task._meta.db_table, "id", pks),
+                stop_at=stop_at)
+    behind = retention_behind_s(now=now) if more else 0.0
     if behind:
         log.warning("retention is behind: the oldest message is %.1f h past "
                     "REACH_RETENTION_DAYS=%g; this call deleted %d in %.0f s (the next "
                     "goes on in a minute)", behind / 3600, days, deleted, budget_s)
     return deleted
+
+
+def _in_batches(due: QuerySet, act: Callable[[list[int]], int], *, stop_at: float,
+                max_batches: int | None = None) -> tuple[int, bool]:
+    """The housekeeping loop of the prune and the payload drop: take the first PRUNE_BATCH
+    keys of `due`, `act` on them in one transaction, and again until a batch comes short,
+    `max_batches` are done or the clock passes `stop_at` (one batch at least). Returns what
+    `act` counted, and whether more may be due (the call stopped early)."""
+    done = batches = 0
+    while True:
+        batches += 1
+        with transaction.atomic():
+            pks = list(due.values_list("pk", flat=True)[:PRUNE_BATCH])
+            if not pks:
+                return done, False
+            done += act(pks)
+        if len(pks) < PRUNE_BATCH:
+            return done, False
+        if time.monotonic() >= stop_at or (max_batches is not None and batches >= max_batches):
+            return done, True
 
 
 def _delete_by_pk(table: str, column: str, keys: list[int]) -> int:
@@ -341,20 +351,12 @@ def payloads_drop(*, now: datetime | None = None, max_batches: int | None = None
         return 0
     now = now or timezone.now()
     due = payloads_due(now=now)
-    stop_at = time.monotonic() + budget_s
-    dropped = batches = 0
-    while max_batches is None or batches < max_batches:
-        batches += 1
-        pks = list(due.values_list("pk", flat=True)[:PRUNE_BATCH])
-        if not pks:
-            break
-        # The same conditions again in the UPDATE: a row that changed since it was read
-        # (a late answer moves updated_at) keeps its payload until it is due again.
-        dropped += due.filter(pk__in=pks).update(payload=None, payload_dropped_at=now)
-        if len(pks) < PRUNE_BATCH:
-            break
-        if time.monotonic() >= stop_at:
-            log.warning("the payload drop is behind: %d dropped in %.0f s and more are due "
-                        "(the next call goes on in a minute)", dropped, budget_s)
-            break
+    # The same conditions again in the UPDATE: a row that changed since it was read (a late
+    # answer moves updated_at) keeps its payload until it is due again.
+    dropped, more = _in_batches(
+        due, lambda pks: due.filter(pk__in=pks).update(payload=None, payload_dropped_at=now),
+        stop_at=time.monotonic() + budget_s, max_batches=max_batches)
+    if more:
+        log.warning("the payload drop is behind: %d dropped in %.0f s and more are due "
+                    "(the next call goes on in a minute)", dropped, budget_s)
     return dropped
