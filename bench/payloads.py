@@ -21,6 +21,7 @@ Runs against its own database, `reachconsole_payloads_bench`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=1_000_000)
     args = ap.parse_args(argv)
     common.check_postgres()
+    # One table: this bench measures the batched delete and drop of a history that is
+    # not partitioned (bench/partitions.py compares the two).
+    os.environ["REACH_PARTITIONS"] = "0"
     common.django_setup(channel_prefix=common.run_tag("payloads"))
     from django.conf import settings
     from django.db import connection

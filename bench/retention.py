@@ -15,6 +15,7 @@ Runs against its own database, `reachconsole_retention_bench`.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -41,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=1_000_000)
     args = ap.parse_args(argv)
     common.check_postgres()
+    # One table: this bench measures the batched delete and drop of a history that is
+    # not partitioned (bench/partitions.py compares the two).
+    os.environ["REACH_PARTITIONS"] = "0"
     common.django_setup(channel_prefix=common.run_tag("retention"))
     from django.conf import settings
     from django.utils import timezone

@@ -164,8 +164,11 @@ class Message(models.Model):
     attempt = models.PositiveIntegerField(default=1)
     # The message this one answers: inReplyTo of a response, ackFor of an ACK/NACK/BUSY.
     in_reply_to = models.CharField(max_length=200, blank=True)
+    # No constraint in the database: a partitioned history drops a day's rows whole, and
+    # the partition drop unlinks the resends that point into it (messages/partitions.py).
     resend_of = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="resends"
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="resends",
+        db_constraint=False,
     )
     created_at = models.DateTimeField(default=timezone.now)
     published_at = models.DateTimeField(null=True, blank=True)
@@ -241,6 +244,16 @@ class Message(models.Model):
     def __str__(self) -> str:
         return f"{self.message_type} {self.message_id} {self.status}"
 
+    def save(self, *args, **kwargs) -> None:
+        # A new row on a partitioned history claims its message id in the key table first,
+        # as the batch insert does (messages/state.py), and takes the primary key of its
+        # time from the claim: one row per message id, in the partition of its created_at.
+        if self._state.adding and self.pk is None:
+            from messages.partitions import message_pk_claim
+
+            self.pk = message_pk_claim(message_id=self.message_id, created_at=self.created_at)
+        super().save(*args, **kwargs)
+
     @property
     def is_failure(self) -> bool:
         return self.status in FAILURE_STATUSES
@@ -294,7 +307,10 @@ class Transition(models.Model):
         OPERATOR = "operator", "an operator"
         CONSOLE = "console", "the console"
 
-    message = models.ForeignKey(Message, on_delete=models.CASCADE, related_name="transitions")
+    # No constraint in the database: a message's transitions live in the partition of the
+    # same span as it (partitioned by message id) and are dropped with it.
+    message = models.ForeignKey(Message, on_delete=models.CASCADE, related_name="transitions",
+                                db_constraint=False)
     from_status = models.CharField(max_length=16, blank=True)
     to_status = models.CharField(max_length=16)
     at = models.DateTimeField(default=timezone.now)
@@ -307,6 +323,24 @@ class Transition(models.Model):
 
     def __str__(self) -> str:
         return f"{self.from_status or '∅'} → {self.to_status}"
+
+
+class MessageKey(models.Model):
+    """The message ids stored, each once: the guard of "one row per message id" on a
+    partitioned history, where a unique index must include the partition key and so cannot
+    be on the message id alone. Narrow, unpartitioned, written in the insert's own statement
+    (messages/state.py) and pruned with the rows it guards (messages/partitions.py).
+    Unused on a history that is one table: its unique index on message_id does the same."""
+
+    message_id = models.CharField(max_length=200, primary_key=True)
+    # The row's primary key, which carries its time: what the key prune walks.
+    message_pk = models.BigIntegerField(db_index=True)
+
+    class Meta:
+        db_table = "a2a_message_key"
+
+    def __str__(self) -> str:
+        return self.message_id
 
 
 class AgentLoad(models.Model):

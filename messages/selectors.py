@@ -12,7 +12,7 @@ from functools import reduce
 from operator import and_, or_
 
 from django.conf import settings
-from django.db.models import Count, Max, Q, QuerySet, Sum
+from django.db.models import Count, Max, Min, Q, QuerySet, Sum
 from django.utils import timezone
 
 from messages.models import (
@@ -22,7 +22,9 @@ from messages.models import (
     Direction,
     Message,
     Status,
+    Task,
 )
+from messages.partitions import history_partitioned, history_since
 from messages.protocol import MessageType
 from reachconsole.core.errors import ConsoleError
 from reachconsole.core.moments import utc_moment
@@ -159,7 +161,8 @@ def _base(flt: MessageFilter) -> QuerySet[Message]:
         qs = qs.filter(message_type=flt.message_type)
     if flt.q:
         qs = qs.filter(Q(message_id=flt.q) | Q(task_id=flt.q) | Q(conversation_id=flt.q))
-    return qs
+    # A time window reads only its partitions (messages/partitions.py).
+    return history_since(qs, flt.since_at, flt.until_at)
 
 
 def filters_common(qs: QuerySet, flt: MessageFilter) -> QuerySet:
@@ -334,20 +337,28 @@ def task_attempts(row: Message) -> QuerySet[Message]:
     same task id), see `send_chain`."""
     if not row.task_id:
         return Message.objects.none()
-    return (Message.objects.filter(task_id=row.task_id, direction=row.direction,
-                                   message_type=row.message_type)
-            .order_by("created_at", "id"))
+    same = Message.objects.filter(task_id=row.task_id, direction=row.direction,
+                                  message_type=row.message_type)
+    if history_partitioned():
+        # From the task's first row on (its entry says when): the plan reads those days'
+        # partitions only (messages/partitions.py).
+        began = (Task.objects.filter(task_id=row.task_id, direction=row.direction)
+                 .aggregate(first=Min("created_at"))["first"])
+        same = history_since(same, min(began, row.created_at) if began else row.created_at)
+    return same.order_by("created_at", "id")
 
 
 def send_chain(*, message_id: str) -> list[Message]:
     """The transmissions of one send, oldest first: the row itself and the retries and
     resends that follow from it, not another caller's work that happens to use the same task
     id. What `wait` and the send's outcome are decided by."""
-    root = Message.objects.filter(message_id=message_id).values_list("task_id", "pk").first()
+    root = (Message.objects.filter(message_id=message_id)
+            .values_list("task_id", "pk", "created_at").first())
     if root is None:
         return []
     chain, ours = {root[1]}, []
-    for row in task_requests(root[0]):  # oldest first: a retry comes after what it retries
+    # Oldest first from the row on: a retry or a resend comes after what it follows.
+    for row in task_requests(root[0], since=root[2]):
         if row.pk in chain or row.resend_of_id in chain:
             chain.add(row.pk)
             ours.append(row)
@@ -355,15 +366,18 @@ def send_chain(*, message_id: str) -> list[Message]:
 
 
 def message_replies(row: Message) -> QuerySet[Message]:
-    """What answered `row`: ACK, NACK, BUSY, TASK_RESPONSE, in order."""
-    return Message.objects.filter(in_reply_to=row.message_id).order_by("created_at", "id")
+    """What answered `row`: ACK, NACK, BUSY, TASK_RESPONSE, in order (made after it: the
+    plan reads the partitions from its day on)."""
+    return history_since(Message.objects.filter(in_reply_to=row.message_id),
+                         row.created_at).order_by("created_at", "id")
 
 
-def task_requests(task_id: str) -> list[Message]:
-    """Our transmissions of one task, oldest first."""
-    return list(Message.objects.filter(task_id=task_id, direction=Direction.SEND,
-                                       message_type=MessageType.TASK_REQUEST)
-                .select_related("resend_of").order_by("created_at", "id"))
+def task_requests(task_id: str, *, since: datetime | None = None) -> list[Message]:
+    """Our transmissions of one task, oldest first (from `since` on, when given)."""
+    qs = Message.objects.filter(task_id=task_id, direction=Direction.SEND,
+                                message_type=MessageType.TASK_REQUEST)
+    return list(history_since(qs, since).select_related("resend_of")
+                .order_by("created_at", "id"))
 
 
 def task_response(row: Message) -> Message | None:
@@ -526,4 +540,8 @@ def retention_behind_s(*, now: datetime | None = None) -> float:
     oldest = Message.objects.order_by("created_at", "id").values_list("created_at",
                                                                       flat=True).first()
     cutoff = (now or timezone.now()) - timedelta(days=days)
+    if history_partitioned():
+        # Rows wait for their partition to expire whole: up to a span past the retention,
+        # and up to the maintenance call after it, is on time.
+        cutoff -= timedelta(seconds=settings.REACH_PARTITION_SPAN_S + 60)
     return max(0.0, (cutoff - oldest).total_seconds()) if oldest else 0.0

@@ -30,6 +30,7 @@ from messages.events import events_on_commit
 from messages.models import OPEN_STATUSES, Change, Direction, Message, Status, Task, Transition
 from messages.outbound import RETRY_STORM, message_next_attempt
 from messages.outbox import outbox_wake
+from messages.partitions import history_partitioned, partitions_list
 from messages.protocol import MessageType
 from messages.selectors import retention_behind_s
 from messages.state import atomic_retrying, changes_apply
@@ -254,7 +255,11 @@ def messages_prune(*, now: datetime | None = None, max_batches: int | None = Non
     Plain DELETEs by primary key, not Django's delete collector: the rows' only dependants
     are their transitions (deleted first, by their message index) and the resends that
     point at them (unlinked), so there is nothing for the collector to find, and it cost
-    a query per relation per batch."""
+    a query per relation per batch.
+
+    A partitioned history (messages/partitions.py) loses its rows a partition at a time,
+    whole; what this deletes there is only the table the migration found (the first
+    partition, from MINVALUE), until it is past the retention and dropped in its turn."""
     days = settings.REACH_RETENTION_DAYS
     if days <= 0:
         return 0
@@ -263,6 +268,11 @@ def messages_prune(*, now: datetime | None = None, max_batches: int | None = Non
     # Never what is still under way, whatever a short retention says: the outbox's rows and
     # open requests (their deadline ends them, and the next call takes them).
     due = Message.objects.filter(_settled(), created_at__lt=cutoff).order_by("created_at", "id")
+    if history_partitioned():
+        first = partitions_list()[:1]
+        found = first and first[0].lo is None
+        # pk below the first partition's bound: the plan reads that partition only.
+        due = due.filter(pk__lt=first[0].hi) if found else due.none()
 
     def delete(pks: list[int]) -> int:
         Message.objects.filter(resend_of__in=pks).update(resend_of=None)

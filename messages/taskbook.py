@@ -17,6 +17,7 @@ from django.db.models import Q, QuerySet
 
 from messages.ledger import task_key
 from messages.models import CANCELABLE_STATUSES, Direction, Message, Task
+from messages.partitions import history_since
 from messages.protocol import MessageType
 from messages.selectors import (
     MessageFilter,
@@ -139,7 +140,8 @@ class TaskStory:
 def task_story(task: Task) -> TaskStory:
     """The task's rows: its transmissions (in its direction, and for a group member that
     member's), every answer to them, and the CANCELs the console sent for it."""
-    rows = list(Message.objects.filter(task_id=task.task_id)
+    # From the task's first row on: the plan reads the partitions of its days only.
+    rows = list(history_since(Message.objects.filter(task_id=task.task_id), task.created_at)
                 .defer("payload").order_by("created_at", "id")[:TASK_MESSAGES_MAX + 1])
     more = len(rows) > TASK_MESSAGES_MAX
     rows = rows[:TASK_MESSAGES_MAX]

@@ -23,6 +23,15 @@ def messages_prune() -> int:
     return prune()
 
 
+@shared_task(name="messages.tasks.partitions_maintain", ignore_result=True)
+def partitions_maintain() -> dict[str, int]:
+    from django.utils import timezone
+
+    from messages.partitions import partitions_maintain as maintain
+
+    return maintain(now=timezone.now())
+
+
 @shared_task(name="messages.tasks.payloads_drop", ignore_result=True)
 def payloads_drop() -> int:
     from messages.sweeps import payloads_drop as drop

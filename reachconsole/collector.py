@@ -27,6 +27,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import CollectorRegistry
 
 from alarms.selectors import active_by_kind
+from messages.partitions import history_partitioned, partitions_list
 from messages.selectors import load_totals, open_counts, retention_behind_s
 from messages.tally import LATENCY
 from reachconsole.core.metrics import HIST_PREFIX, counters_snapshot, histogram_read
@@ -164,7 +165,11 @@ def database_families() -> list[Metric]:
             GaugeMetricFamily("reach_retention_behind_seconds", "How far the oldest message is "
                               "past REACH_RETENTION_DAYS: under a minute while the prune "
                               "(each minute) keeps up",
-                              value=retention_behind_s(now=now))]
+                              value=retention_behind_s(now=now)),
+            GaugeMetricFamily("reach_history_partitions", "Partitions of the message history "
+                              "(messages/partitions.py); 0 where it is one table pruned by "
+                              "batched deletes (SQLite, REACH_PARTITIONS=off)",
+                              value=len(partitions_list()) if history_partitioned() else 0)]
 
 
 class ConsoleCollector:

@@ -14,7 +14,7 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from messages.signing import keyring_parse
-from reachconsole.core.env import env_bool, env_float, env_int, env_list, env_str
+from reachconsole.core.env import env_bool, env_float, env_int, env_list, env_span, env_str
 from reachconsole.core.tokens import tokens_parse
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -258,6 +258,15 @@ REACH_TASK_MAX_SENDS = env_int("REACH_TASK_MAX_SENDS", 5, minimum=1)
 REACH_TASK_WINDOW_S = env_int("REACH_TASK_WINDOW_S", 60, minimum=1)
 # The message table is pruned by age (0 keeps everything); a decimal is taken (0.5 = 12 h).
 REACH_RETENTION_DAYS = env_float("REACH_RETENTION_DAYS", 14.0, minimum=0.0)
+# On PostgreSQL the history (a2a_message, a2a_transition) is partitioned by time, a partition
+# per REACH_PARTITION_SPAN, made ahead by beat and dropped whole past the retention
+# (messages/partitions.py). `off` keeps one table pruned by batched deletes, as on SQLite;
+# it is read when the migration runs (a later change needs the procedure in docs/scaling.md).
+REACH_PARTITIONS = env_bool("REACH_PARTITIONS", True)
+REACH_PARTITION_SPAN_S = env_span("REACH_PARTITION_SPAN", "1d", minimum_s=10)
+# Partitions kept made ahead of the clock: a beat that stops for this many spans is noticed
+# before a write finds no partition (and a write that does makes its own and goes on).
+REACH_PARTITIONS_AHEAD = env_int("REACH_PARTITIONS_AHEAD", 3, minimum=1)
 # Content is not history: a payload is dropped this long after its row's last change once
 # nothing can send it again (an open request keeps it); 0 keeps payloads as long as the row.
 REACH_PAYLOAD_KEEP_HOURS = env_float("REACH_PAYLOAD_KEEP_HOURS", 24.0, minimum=0.0)
@@ -382,6 +391,10 @@ CELERY_BEAT_SCHEDULE = {
                          "schedule": REACH_RETRY_SWEEP_S},
     # Each minute, within a budget (messages/sweeps.py): what falls due is a minute's rows.
     "messages-prune": {"task": "messages.tasks.messages_prune", "schedule": 60},
+    # Partitions made ahead and dropped past the retention: twice a span, at most a minute
+    # apart, so a partition is gone within half a span of its last row expiring.
+    "partitions-maintain": {"task": "messages.tasks.partitions_maintain",
+                            "schedule": min(60.0, REACH_PARTITION_SPAN_S / 2)},
     # Each minute, so what falls due is a minute's worth of rows, never an hour's backlog.
     "payloads-drop": {"task": "messages.tasks.payloads_drop", "schedule": 60},
     # The kept in-flight/held counts against the rows they count (messages/backpressure.py).

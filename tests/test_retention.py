@@ -19,6 +19,15 @@ from tests.test_metrics import metrics, value
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
 
 
+@pytest.fixture
+def one_table(monkeypatch):
+    """The prune as it runs on a history that is one table (SQLite, or PostgreSQL with
+    REACH_PARTITIONS=off): the batched delete, which works alike on a partitioned table,
+    where the partition drop does this work instead (tests/test_partitions.py)."""
+    for module in ("messages.sweeps", "messages.selectors"):
+        monkeypatch.setattr(f"{module}.history_partitioned", lambda: False)
+
+
 def sent(at, task_id: str | None = None) -> Message:
     return message_send(request=SendRequest(to="fin.nobody", task_id=task_id), now=at)
 
@@ -49,7 +58,7 @@ def test_a_task_that_changed_within_the_retention_keeps_its_entry(now, settings)
     assert not Message.objects.filter(pk=first.pk).exists()
 
 
-def test_a_retention_of_a_few_minutes_is_taken(now, settings):
+def test_a_retention_of_a_few_minutes_is_taken(now, settings, one_table):
     settings.REACH_RETENTION_DAYS = 0.0035  # about 5 minutes
     stale = sent(now - timedelta(minutes=6))
     fresh = sent(now - timedelta(minutes=4))
@@ -58,7 +67,7 @@ def test_a_retention_of_a_few_minutes_is_taken(now, settings):
     assert not Message.objects.filter(pk=stale.pk).exists()
 
 
-def test_what_is_still_under_way_outlives_a_short_retention(now, settings):
+def test_what_is_still_under_way_outlives_a_short_retention(now, settings, one_table):
     """A retention shorter than a task's life never deletes the outbox's rows or an open
     request: the deadline ends them, and a later call takes them."""
     settings.REACH_RETENTION_DAYS = 0.0035
@@ -76,7 +85,7 @@ def test_what_is_still_under_way_outlives_a_short_retention(now, settings):
 
 def test_a_call_stops_at_its_budget_and_says_the_retention_is_behind(now, settings,
                                                                         monkeypatch, caplog,
-                                                                        client):
+                                                                        client, one_table):
     settings.REACH_RETENTION_DAYS = 1
     monkeypatch.setattr("messages.sweeps.PRUNE_BATCH", 2)
     rows = [sent(now - timedelta(days=3, hours=i)) for i in range(5)]

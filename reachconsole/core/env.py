@@ -70,3 +70,20 @@ def env_float(name: str, default: float, *, minimum: float = 0.0) -> float:
 def env_list(name: str, default: str = "") -> list[str]:
     value = env_str(name, default) or ""
     return [item.strip() for item in value.split(",") if item.strip()]
+
+
+_SPAN_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def env_span(name: str, default: str, *, minimum_s: int = 1) -> int:
+    """A length of time written as a count and a unit (`1d`, `6h`, `1m`, `30s`): seconds."""
+    text = (env_str(name) or "").strip() or default
+    count, unit = text[:-1], text[-1:].lower()
+    if unit not in _SPAN_UNITS or not count.isdigit() or int(count) <= 0:
+        raise ImproperlyConfigured(
+            f"{name}={text!r} is not a span: write a whole count and a unit, s, m, h or d "
+            f"(1d, 6h, 1m)")
+    seconds = int(count) * _SPAN_UNITS[unit]
+    if seconds < minimum_s:
+        raise ImproperlyConfigured(f"{name}={text} is shorter than {minimum_s} s")
+    return seconds
