@@ -1,12 +1,13 @@
 """The history partitioned by time (PostgreSQL): made ahead, dropped whole.
 
 `a2a_message` is partitioned by RANGE of its primary key, and the key carries its time: a
-row's id is its `created_at` in hundredths of a second since PK_EPOCH shifted by SEQ_BITS,
-plus a sequence's low bits (`a2a_message_pk(created_at)`, drawn by the insert; the
-column's default takes the clock). So a partition per REACH_PARTITION_SPAN is a
-range of ids, the primary key stays `id` alone (it holds the partition key), and every read
-or update by primary key (Django's `save()`, the sweeps' claims, the state machine's
-guarded updates) finds its one partition without knowing the time. `a2a_transition` is
+row's id is the time it was made in hundredths of a second since PK_EPOCH shifted by
+SEQ_BITS, plus a sequence's low bits (`a2a_message_pk(created_at)`, drawn by the insert:
+the clock's tick for a row of now, its created_at's for a row of another time). So a
+partition per REACH_PARTITION_SPAN is a range of ids, the primary key stays `id` alone (it
+holds the partition key), and every read or update by primary key (Django's `save()`, the
+sweeps' claims, the state machine's guarded updates) finds its one partition without knowing
+the time. `a2a_transition` is
 partitioned by the same ranges of its `message_id`: a message's transitions live and go with
 it, and a message's trace reads one partition.
 
@@ -36,6 +37,7 @@ from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import DatabaseError, connection, transaction
+from django.db.models import Q
 
 from messages.models import OPEN_STATUSES, Status
 from messages.protocol import MessageType
@@ -44,8 +46,11 @@ log = logging.getLogger(__name__)
 
 PK_EPOCH = datetime(2020, 1, 1, tzinfo=UTC)
 TICK = timedelta(milliseconds=10)
-# 65,536 ids a tick: the rows of one batch share their created_at. Ids stay below 2**53
-# (exact as JSON numbers) until 2063.
+# A row made within this many seconds of now takes the tick of the moment its id is drawn,
+# so two ids can only meet if 65,536 are drawn in one tick; a row of another time (an
+# import, a test's past) takes its created_at's, to land in that time's partition.
+LIVE_SKEW_S = 60
+# 65,536 ids a tick of 10 ms. Ids stay below 2**53 (exact as JSON numbers) until 2063.
 SEQ_BITS = 16
 MESSAGES, TRANSITIONS, KEYS = "a2a_message", "a2a_transition", "a2a_message_key"
 # (table, its partition key): both tables are cut at the same bounds, made and dropped together.
@@ -60,7 +65,9 @@ PK_FUNCTION_SQL = f"""
 CREATE SEQUENCE IF NOT EXISTS a2a_message_pk_seq;
 CREATE OR REPLACE FUNCTION a2a_message_pk(at timestamptz DEFAULT clock_timestamp())
 RETURNS bigint LANGUAGE sql VOLATILE AS $$
-  SELECT ((floor(extract(epoch FROM at) * 100)::bigint
+  SELECT ((floor(extract(epoch FROM CASE
+             WHEN abs(extract(epoch FROM clock_timestamp() - at)) <= {LIVE_SKEW_S}
+             THEN clock_timestamp() ELSE at END) * 100)::bigint
            - {int(PK_EPOCH.timestamp() * 100)}) << {SEQ_BITS})
          | (nextval('a2a_message_pk_seq') & {(1 << SEQ_BITS) - 1})
 $$;
@@ -82,22 +89,28 @@ def span_start(at: datetime) -> datetime:
     return PK_EPOCH + ((at - PK_EPOCH) // span) * span
 
 
-_mode: dict[str, bool] = {}
+_mode: dict[str, tuple[bool, float]] = {}
+# How long a process trusts its answer: the history changes kind only by a migration or
+# `manage.py history_partition`, run with the writers stopped (docs/scaling.md); a process
+# left running notices within this.
+MODE_TTL_S = 30.0
 
 
 def history_partitioned() -> bool:
-    """Whether this database's history is partitioned (asked of the catalog once a
-    process; the migrations that change it forget the answer)."""
+    """Whether this database's history is partitioned (asked of the catalog at most every
+    MODE_TTL_S a process; the migrations forget the answer)."""
     if connection.vendor != "postgresql":
         return False
     name = connection.settings_dict["NAME"]
-    if name not in _mode:
+    known = _mode.get(name)
+    if known is None or time.monotonic() - known[1] > MODE_TTL_S:
         with connection.cursor() as cursor:
             cursor.execute("SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass(%s)",
                            [MESSAGES])
             found = cursor.fetchone()
-        _mode[name] = bool(found and found[0])
-    return _mode[name]
+        known = (bool(found and found[0]), time.monotonic())
+        _mode[name] = known
+    return known[0]
 
 
 def partitioned_forget() -> None:
@@ -106,8 +119,8 @@ def partitioned_forget() -> None:
     _first_hi.clear()
 
 
-# How much earlier than the moment a read is bounded by a row may be made: rows written
-# through the ORM outside the batch insert draw their id from the clock, not created_at.
+# How much earlier than the moment a read is bounded by a row's id may carry: a row's id
+# takes the tick it was drawn at, a moment after its created_at.
 SINCE_SLACK = timedelta(hours=1)
 _first_hi: dict[str, int | None] = {}
 
@@ -126,8 +139,12 @@ def history_since(queryset, at: datetime | None, until: datetime | None = None):
     legacy_end = _first_hi[name]
     if at is not None:
         bound = pk_floor(at - SINCE_SLACK)
-        if legacy_end is None or bound >= legacy_end:
+        if legacy_end is None:
             queryset = queryset.filter(pk__gte=bound)
+        elif bound >= legacy_end:
+            # The migration's table holds rows of any time up to the migration (its ids are
+            # sequence numbers): it is read too, with the partitions from `at` on.
+            queryset = queryset.filter(Q(pk__lt=legacy_end) | Q(pk__gte=bound))
     if until is not None:
         queryset = queryset.filter(pk__lt=pk_floor(until + SINCE_SLACK))
     return queryset
@@ -185,6 +202,8 @@ def partitions_ensure(*, now: datetime) -> list[str]:
         # which waits for no reader or writer, where CREATE … PARTITION OF takes its ACCESS
         # EXCLUSIVE one and would queue every query behind a long transaction. Bounded all
         # the same: a call that waits longer is left to the next (spans are made ahead).
+        cursor.execute("SELECT current_setting('lock_timeout')")
+        before = cursor.fetchone()[0]
         cursor.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
         existing = partitions_list(MESSAGES)
         hi = existing[-1].hi if existing else pk_floor(span_start(now))
@@ -197,6 +216,8 @@ def partitions_ensure(*, now: datetime) -> list[str]:
                 cursor.execute(f"ALTER TABLE {table} ATTACH PARTITION {name} "
                                f"FOR VALUES FROM ({lo}) TO ({hi})")
                 made.append(name)
+        # Called on a write path, in the writer's transaction: its own timeout again.
+        cursor.execute("SELECT set_config('lock_timeout', %s, true)", [before])
     if made:
         _horizon.clear()
         log.info("partitions made: %s", ", ".join(made))
@@ -238,18 +259,26 @@ def message_pk_claim(*, message_id: str, created_at: datetime) -> int | None:
         return cursor.fetchone()[0]
 
 
-def _unsettled(partition: str, *, now: datetime) -> bool:
-    """Whether the partition holds a row still under way: the outbox's (SENT), or a request
-    still open before its deadline (the delivery sweep ends it then). Such a partition
-    waits, as the prune's rows do. An open row with no deadline (one the console will never
-    end) does not hold its partition past the retention."""
+def _held(part: Partition, *, now: datetime, cutoff_at: datetime) -> str:
+    """Why a partition past its bound must stay, or "": it holds a row still under way (the
+    outbox's, SENT, or a request still open before its deadline, which the delivery sweep
+    ends then), as the prune's rows do; or it is the migration's table, whose ids carry no
+    time, and its newest row is not yet past the retention. An open row with no deadline
+    (one the console will never end) does not hold its partition."""
     open_statuses = [str(s) for s in OPEN_STATUSES]
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT EXISTS (SELECT 1 FROM {partition} WHERE status = %s "  # noqa: S608 - a catalog name
+            f"SELECT EXISTS (SELECT 1 FROM {part.name} WHERE status = %s "  # noqa: S608 - a catalog name
             f"OR (message_type = %s AND status = ANY(%s) AND deadline_at > %s))",
             [str(Status.SENT), str(MessageType.TASK_REQUEST), open_statuses, now])
-        return bool(cursor.fetchone()[0])
+        if cursor.fetchone()[0]:
+            return "it holds a message still under way"
+        if part.lo is None:
+            cursor.execute(f"SELECT max(created_at) FROM {part.name}")  # noqa: S608
+            newest = cursor.fetchone()[0]
+            if newest is not None and newest >= cutoff_at:
+                return "the table the migration found holds rows within the retention"
+    return ""
 
 
 def partitions_drop(*, now: datetime) -> list[Partition]:
@@ -261,20 +290,30 @@ def partitions_drop(*, now: datetime) -> list[Partition]:
     days = settings.REACH_RETENTION_DAYS
     if days <= 0:
         return []
-    cutoff = pk_floor(now - timedelta(days=days))
+    cutoff_at = now - timedelta(days=days)
+    cutoff = pk_floor(cutoff_at)
     dropped: list[Partition] = []
     for part in partitions_list(MESSAGES):
         if part.hi > cutoff:
-            break
-        if _unsettled(part.name, now=now):
-            log.warning("partition %s is past the retention but holds a message still under "
-                        "way; it is dropped once that settles", part.label)
             break
         started = time.monotonic()
         try:
             with transaction.atomic(), connection.cursor() as cursor:
                 cursor.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
                 cursor.execute("SELECT pg_advisory_xact_lock(%s)", [ADVISORY_KEY])
+                # Under the lock: another maintainer may have dropped it meanwhile.
+                cursor.execute("SELECT to_regclass(%s) IS NOT NULL", [part.name])
+                if not cursor.fetchone()[0]:
+                    continue
+                held = _held(part, now=now, cutoff_at=cutoff_at)
+                if held:
+                    log.warning("partition %s is past the retention but %s; it is dropped "
+                                "once that changes", part.label, held)
+                    break
+                # Both parents in the order writers take them (messages, then transitions),
+                # before anything else: the drop needs them whole, and taking them out of
+                # that order could deadlock with an insert.
+                cursor.execute(f"LOCK TABLE {MESSAGES}, {TRANSITIONS} IN ACCESS EXCLUSIVE MODE")
                 lo = part.lo if part.lo is not None else -(2 ** 63)
                 # A resend's link to its original is unlinked when the original goes (the
                 # prune does the same); along the resend_of index, a probe a partition.

@@ -24,7 +24,7 @@ from messages.models import (
     Status,
     Task,
 )
-from messages.partitions import history_partitioned, history_since
+from messages.partitions import history_partitioned, history_since, pk_floor, pk_time
 from messages.protocol import MessageType
 from reachconsole.core.errors import ConsoleError
 from reachconsole.core.moments import utc_moment
@@ -290,6 +290,16 @@ def newest_message_id() -> int:
 # The most rows a "N new" count looks at: a page paused for an hour at 1,000 msg/s behind
 # a rare filter must not walk 3.6 million rows on every poll.
 NEW_COUNT_SCAN = 100_000
+NEW_COUNT_WINDOW = timedelta(seconds=100)
+
+
+def new_count_floor(up_to: int) -> int:
+    """The lowest id a "N new" count up to `up_to` looks at: NEW_COUNT_SCAN ids back, or
+    where ids carry their time (a partitioned history, messages/partitions.py) the newest
+    NEW_COUNT_WINDOW, which at 1,000 msg/s is as many rows."""
+    if history_partitioned():
+        return pk_floor(pk_time(up_to) - NEW_COUNT_WINDOW)
+    return up_to - NEW_COUNT_SCAN
 
 
 def messages_new_count(flt: MessageFilter, *, after: int, up_to: int,
@@ -298,7 +308,7 @@ def messages_new_count(flt: MessageFilter, *, after: int, up_to: int,
     `cap` (cap + 1 means "more than cap"): what a paused page has not shown yet; and whether
     every row since `after` was looked at. The primary key bounds the scan to the newest
     NEW_COUNT_SCAN rows stored since the page was shown; past that the count is a floor."""
-    lowest = max(after, up_to - NEW_COUNT_SCAN)
+    lowest = max(after, new_count_floor(up_to))
     found = (messages_filter(flt).filter(id__gt=lowest, id__lte=up_to).order_by()
              .values("id")[:cap + 1].count())
     return found, lowest == after

@@ -19,10 +19,10 @@ from messages import views
 from messages.events import message_events
 from messages.models import Message, Status
 from messages.selectors import (
-    NEW_COUNT_SCAN,
     MessageFilter,
     messages_new_count,
     messages_page,
+    new_count_floor,
     newest_message_id,
     resendable_count,
 )
@@ -214,9 +214,9 @@ def test_it_counts_the_rows_a_held_page_has_not_shown(viewer):
                                                 "after": seen}).json()
     assert answer == {"after": seen, "upTo": late.pk, "count": 1, "more": False,
                       "partial": False}
-    # Held for longer than the scan bound: only the newest NEW_COUNT_SCAN ids are looked at
+    # Held for longer than the scan bound: only the newest ids are looked at
     # (here all three FAILED rows), and the answer says the count is a floor.
-    assert messages_new_count(flt, after=late.pk - NEW_COUNT_SCAN - 5,
+    assert messages_new_count(flt, after=new_count_floor(late.pk) - 5,
                               up_to=late.pk) == (3, False)
     refused = viewer.get("/messages/new-count", {"after": "x"})
     assert refused.status_code == 400 and "is not a row id" in refused.json()["detail"]
