@@ -305,13 +305,11 @@ def bounded(minutes: float) -> dict:
     stop.set()
     worker.join(timeout=60)
     took = time.monotonic() - started
-    settled = [s for s in samples if s["t"] >= BOUNDED_RETENTION_DAYS * 86400 + span]
     return {"minutes": minutes, "rate_target": RATE, "rate": written / took, "written": written,
             "span_s": span, "retention_s": BOUNDED_RETENTION_DAYS * 86400, "limit": limit,
             "max_messages": max(s["messages"] for s in samples),
             "max_transitions": max(s["transitions"] for s in samples),
             "max_keys": max(s["keys"] for s in samples),
-            "settled_min_messages": min((s["messages"] for s in settled), default=None),
             "drops": len(drops), "drop_s_max": max(drops) if drops else None,
             "drop_s_median": statistics.median(drops) if drops else None,
             "errors": errors, "samples": samples}

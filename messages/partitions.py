@@ -122,7 +122,21 @@ def partitioned_forget() -> None:
 # How much earlier than the moment a read is bounded by a row's id may carry: a row's id
 # takes the tick it was drawn at, a moment after its created_at.
 SINCE_SLACK = timedelta(hours=1)
-_first_hi: dict[str, int | None] = {}
+_first_hi: dict[str, tuple[int | None, float]] = {}
+
+
+def legacy_end() -> int | None:
+    """The upper bound of the table the migration found (the first partition, from
+    MINVALUE: its ids are sequence numbers and carry no time), or None once it is dropped.
+    Read from the catalog at most every MODE_TTL_S a process, so a process other than the
+    one that dropped it learns so too."""
+    name = connection.settings_dict["NAME"]
+    known = _first_hi.get(name)
+    if known is None or time.monotonic() - known[1] > MODE_TTL_S:
+        first = partitions_list(MESSAGES)[:1]
+        known = (first[0].hi if first and first[0].lo is None else None, time.monotonic())
+        _first_hi[name] = known
+    return known[0]
 
 
 def history_since(queryset, at: datetime | None, until: datetime | None = None):
@@ -132,19 +146,15 @@ def history_since(queryset, at: datetime | None, until: datetime | None = None):
     carry no time)."""
     if not history_partitioned() or (at is None and until is None):
         return queryset
-    name = connection.settings_dict["NAME"]
-    if name not in _first_hi:
-        first = partitions_list(MESSAGES)[:1]
-        _first_hi[name] = first[0].hi if first and first[0].lo is None else None
-    legacy_end = _first_hi[name]
+    legacy = legacy_end()
     if at is not None:
         bound = pk_floor(at - SINCE_SLACK)
-        if legacy_end is None:
+        if legacy is None:
             queryset = queryset.filter(pk__gte=bound)
-        elif bound >= legacy_end:
+        elif bound >= legacy:
             # The migration's table holds rows of any time up to the migration (its ids are
             # sequence numbers): it is read too, with the partitions from `at` on.
-            queryset = queryset.filter(Q(pk__lt=legacy_end) | Q(pk__gte=bound))
+            queryset = queryset.filter(Q(pk__lt=legacy) | Q(pk__gte=bound))
     if until is not None:
         queryset = queryset.filter(pk__lt=pk_floor(until + SINCE_SLACK))
     return queryset
@@ -340,9 +350,9 @@ def message_keys_prune(*, stop_at: float) -> int:
     """Delete the message keys of rows no partition holds any more (below the oldest
     partition's lower bound), a batch a statement, until none is left or the clock passes
     `stop_at`. The one delete a partitioned history keeps: narrow rows, two indexes."""
-    existing = partitions_list(MESSAGES)
-    if existing and existing[0].lo is None:
+    if legacy_end() is not None:
         return 0  # the migration's table is still there: its ids carry no time
+    existing = partitions_list(MESSAGES)
     floor = existing[0].lo if existing else 2 ** 63 - 1
     deleted = 0
     with connection.cursor() as cursor:
@@ -390,10 +400,7 @@ def history_partition(cursor, *, now: datetime) -> None:
     cursor.execute("CREATE SEQUENCE IF NOT EXISTS a2a_transition_pk_seq")
     for table, key in TABLES:
         old = f"{table}_p0"
-        cursor.execute("SELECT i.relname, pg_get_indexdef(i.oid), x.indisprimary, "
-                       "x.indisunique FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
-                       "WHERE x.indrelid = to_regclass(%s)", [table])
-        indexes = cursor.fetchall()
+        indexes = _indexes(cursor, table)
         cursor.execute(f"ALTER TABLE {table} RENAME TO {old}")
         for name, *_ in indexes:
             cursor.execute(f"ALTER INDEX {name} RENAME TO {_suffixed(name, '_p0')}")
@@ -428,6 +435,15 @@ def history_partition(cursor, *, now: datetime) -> None:
     partitions_ensure(now=now)
 
 
+def _indexes(cursor, table: str) -> list[tuple[str, str, bool, bool]]:
+    """Each index of `table`: its name, its definition, whether it is the primary key and
+    whether it is unique."""
+    cursor.execute("SELECT i.relname, pg_get_indexdef(i.oid), x.indisprimary, x.indisunique "
+                   "FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
+                   "WHERE x.indrelid = to_regclass(%s)", [table])
+    return cursor.fetchall()
+
+
 def _drop_like_index(cursor) -> None:
     """Django gives a varchar primary key a `_like` twin for LIKE queries; none is asked of
     the key table."""
@@ -442,10 +458,7 @@ def history_unpartition(cursor) -> None:
     column. Copies every row, so it takes as long as the history is big."""
     cursor.execute(f"LOCK TABLE {MESSAGES}, {TRANSITIONS} IN ACCESS EXCLUSIVE MODE")
     for table, _key in TABLES:
-        cursor.execute("SELECT i.relname, pg_get_indexdef(i.oid), x.indisprimary "
-                       "FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
-                       "WHERE x.indrelid = to_regclass(%s)", [table])
-        indexes = cursor.fetchall()
+        indexes = _indexes(cursor, table)
         flat = f"{table}_flat"
         cursor.execute(f"CREATE TABLE {flat} (LIKE {table} INCLUDING DEFAULTS "
                        f"INCLUDING CONSTRAINTS)")
@@ -457,7 +470,7 @@ def history_unpartition(cursor) -> None:
         cursor.execute(f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), "  # noqa: S608
                        f"coalesce((SELECT max(id) FROM {table}), 0) + 1, false)")
         cursor.execute(f"ALTER TABLE {table} ADD CONSTRAINT {table}_pkey PRIMARY KEY (id)")
-        for name, definition, primary in indexes:
+        for name, definition, primary, _unique in indexes:
             if primary:
                 continue
             if name == "a2a_message_message_id":

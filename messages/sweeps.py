@@ -30,7 +30,7 @@ from messages.events import events_on_commit
 from messages.models import OPEN_STATUSES, Change, Direction, Message, Status, Task, Transition
 from messages.outbound import RETRY_STORM, message_next_attempt
 from messages.outbox import outbox_wake
-from messages.partitions import history_partitioned, partitions_list
+from messages.partitions import history_partitioned, legacy_end
 from messages.protocol import MessageType
 from messages.selectors import retention_behind_s
 from messages.state import atomic_retrying, changes_apply
@@ -269,10 +269,9 @@ def messages_prune(*, now: datetime | None = None, max_batches: int | None = Non
     # open requests (their deadline ends them, and the next call takes them).
     due = Message.objects.filter(_settled(), created_at__lt=cutoff).order_by("created_at", "id")
     if history_partitioned():
-        first = partitions_list()[:1]
-        found = first and first[0].lo is None
-        # pk below the first partition's bound: the plan reads that partition only.
-        due = due.filter(pk__lt=first[0].hi) if found else due.none()
+        legacy = legacy_end()
+        # pk below the migration's table's bound: the plan reads that partition only.
+        due = due.filter(pk__lt=legacy) if legacy is not None else due.none()
 
     def delete(pks: list[int]) -> int:
         Message.objects.filter(resend_of__in=pks).update(resend_of=None)
