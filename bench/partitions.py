@@ -9,9 +9,12 @@ delete) and `reachconsole_part_bench` (a partition a day). In each:
    partitioned database each in the partition of its day), two transitions each;
    bytes a message (table + indexes + transitions, and the key table where there is one);
 2. the insert path (`messages_insert_new`): batches of 500 and of 5, rows a second;
-3. the timeline's first page and filters (bench/timeline.py's requests), median ms;
+3. the timeline's first page and filters (bench/timeline.py's requests): `--rounds`
+   rounds, alternating between the two databases, each figure the median over the rounds
+   of the median of 20 requests, with the database's share timed around each query;
 4. removing all of it once past a retention of one day: `messages_prune` until nothing
-   is due against `partitions_maintain` (the drops, then the key prune), seconds.
+   is due against `partitions_drop` and the key prune, seconds (each drop's own from
+   `partitions_drop`).
 
 Then the move of an existing history: `--rows` messages on one table, partitioned in
 place by `manage.py history_partition` (the migration's work) while a writer inserts every
@@ -23,7 +26,8 @@ with a transition, through `messages_insert_new`, while `partitions_maintain` ru
 runs it (every half span); the rows of both tables are counted every 10 s against
 retention × rate × 1.2, and every drop is timed.
 
-    .venv/bin/python bench/partitions.py [--rows 1000000] [--bounded-minutes 20]
+    .venv/bin/python bench/partitions.py [--rows 1000000] [--bounded-minutes 20] [--rounds 3]
+        [--modes flat,part,move,bounded]
 """
 
 from __future__ import annotations
@@ -105,11 +109,20 @@ def _seed(rows: int, partitioned: bool) -> dict:
         if partitioned:
             conn.execute("INSERT INTO a2a_message_key (message_id, message_pk) "
                          "SELECT message_id, id FROM a2a_message")
+        # The task entries the ledger keeps beside the requests (messages/ledger.py): the
+        # timeline's task filter reads where a task began from them.
+        conn.execute("""
+            INSERT INTO a2a_task (direction, task_id, member, status, to_agent_id,
+                from_agent_id, target_node_id, conversation_id, attempts, created_at,
+                updated_at, error, answered_by, last_message_id)
+            SELECT direction, task_id, '', status, to_agent_id, from_agent_id, target_node_id,
+                conversation_id, 1, created_at, updated_at, error, '', message_id
+            FROM a2a_message WHERE message_type = 'TASK_REQUEST'""")
         conn.execute("""
             INSERT INTO a2a_transition (message_id, from_status, to_status, at, reason, actor, by)
             SELECT id, s.f, s.t, created_at, '', 'bridge', ''
             FROM a2a_message, (VALUES ('', 'SENT'), ('SENT', 'PUBLISHED')) AS s(f, t)""")
-        conn.execute("VACUUM (ANALYZE) a2a_message, a2a_transition, a2a_message_key")
+        conn.execute("VACUUM (ANALYZE) a2a_message, a2a_transition, a2a_message_key, a2a_task")
         size = {}
         for table in ("a2a_message", "a2a_transition", "a2a_message_key"):
             # A partitioned table's own size is zero: its partitions hold the bytes.
@@ -159,7 +172,7 @@ def _insert_rate(batch: int, total: int) -> float:
 
 def _timeline(rows: int) -> dict:
     client = common.signed_in_client("bench-partitions", "resend_message")
-    return timeline.measure(client, rows, repeat=10)
+    return timeline.measure(client, rows, repeat=20)
 
 
 def _remove(partitioned: bool) -> dict:
@@ -174,19 +187,7 @@ def _remove(partitioned: bool) -> dict:
         calls, deleted, took = common.calls_until_none(lambda: messages_prune(now=later))
         return {"how": "messages_prune", "messages": deleted, "seconds": took,
                 "calls": len(calls)}
-    import logging
-
     from messages import partitions
-
-    times: list[float] = []
-
-    class Timed(logging.Handler):
-        def emit(self, record):
-            if "dropped in" in record.getMessage():
-                times.append(float(record.getMessage().rsplit(" in ", 1)[1].split()[0]))
-
-    logging.getLogger("messages.partitions").addHandler(Timed())
-    logging.getLogger("messages.partitions").setLevel(logging.INFO)
     from messages.models import Message
 
     before = Message.objects.count()
@@ -198,12 +199,35 @@ def _remove(partitioned: bool) -> dict:
     keys_s = time.monotonic() - started
     return {"how": "partitions_drop", "messages": before - Message.objects.count(),
             "seconds": drop_s, "partitions": len(dropped),
-            "drop_s_max": max(times) if times else None, "keys": keys, "keys_s": keys_s}
+            "drop_s_max": max((d.seconds for d in dropped), default=None), "keys": keys,
+            "keys_s": keys_s}
 
 
-def child(mode: str, rows: int) -> dict:
-    _setup(mode)
+def _attach(mode: str) -> None:
+    """Django against the database an earlier stage of this run seeded (no fresh one)."""
+    db = DBS[mode]
+    common.BENCH_DB = db
+    common.DATABASE_URL = f"postgres://postgres@{common.HOST}:{common.PG_PORT}/{db}"
+    os.environ["REACH_PARTITIONS"] = "0" if mode == "flat" else "1"
+    common.django_setup(channel_prefix=common.run_tag(f"part{mode}"))
+
+
+def child(mode: str, rows: int, stage: str) -> dict:
+    """One stage of one side: "seed" (a fresh database, its rows, bytes, the insert),
+    "timeline" (one round of the timeline's requests) or "remove" (the expired history
+    gone). The parent alternates the timeline rounds between the sides: on a shared
+    2-core box a single round of each drifts by more than the difference it measures."""
     partitioned = mode == "part"
+    if stage == "timeline":
+        _attach(mode)
+        return {"timeline_ms": _timeline(rows)}
+    if stage == "remove":
+        _attach(mode)
+        out = _remove(partitioned)
+        print(f"[{mode}] removed {out['messages']:,} in {out['seconds']:.2f} s",
+              file=sys.stderr, flush=True)
+        return {"remove": out}
+    _setup(mode)
     if partitioned:
         _history_from(8)
     out = {"mode": mode, "rows": rows, "seed": _seed(rows, partitioned)}
@@ -211,10 +235,40 @@ def child(mode: str, rows: int) -> dict:
           f"{out['seed']['bytes_total']:,.0f} bytes a message", file=sys.stderr, flush=True)
     out["insert_rows_per_s"] = {f"batch {b}": statistics.median(
         _insert_rate(b, 10_000 if b > 50 else 2_000) for _ in range(3)) for b in (500, 5)}
-    out["timeline_ms"] = _timeline(rows)
-    out["remove"] = _remove(partitioned)
-    print(f"[{mode}] removed {out['remove']['messages']:,} in "
-          f"{out['remove']['seconds']:.2f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def _run_child(*args: str) -> dict | None:
+    done = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True,
+                          text=True, check=False, cwd=common.ROOT)
+    if done.returncode:
+        sys.stderr.write(done.stderr[-4000:])
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def sides(rows: int, modes: list[str], rounds: int) -> dict[str, dict | None]:
+    """Seed each side, then the timeline's rounds alternating between them (each figure
+    the median of the rounds' medians), then remove each side's history."""
+    out: dict[str, dict | None] = {m: _run_child(m, "--rows", str(rows), "--stage", "seed")
+                                   for m in modes}
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for _ in range(rounds):
+        for m in modes:
+            if out[m] is not None:
+                got = _run_child(m, "--rows", str(rows), "--stage", "timeline")
+                if got is None:
+                    out[m] = None
+                else:
+                    runs[m].append(got["timeline_ms"])
+    for m in modes:
+        if out[m] is None:
+            continue
+        out[m]["timeline_ms"] = {k: statistics.median(r[k] for r in runs[m])
+                                 for k in runs[m][0]}
+        out[m]["timeline_rounds"] = runs[m]
+        got = _run_child(m, "--rows", str(rows), "--stage", "remove")
+        out[m] = {**out[m], **got} if got else None
     return out
 
 
@@ -320,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--bounded-minutes", type=float, default=20)
     ap.add_argument("--child", choices=["flat", "part", "move", "bounded"])
+    ap.add_argument("--stage", choices=["seed", "timeline", "remove"], default="seed")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="timeline rounds, alternating between the two sides")
     ap.add_argument("--modes", default="flat,part,move,bounded",
                     help="which parts to run; the report takes the others from their latest "
                          "result files (bench/results/partitions-<mode>-*.json)")
@@ -331,12 +388,22 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(move(args.rows)))
         return 0
     if args.child:
-        print(json.dumps(child(args.child, args.rows)))
+        print(json.dumps(child(args.child, args.rows, args.stage)))
         return 0
     out: dict = {"rows": args.rows}
     modes = args.modes.split(",")
     failed = False
+    both = [m for m in ("flat", "part") if m in modes]
+    for mode, got in sides(args.rows, both, args.rounds).items():
+        if got is None:
+            print(f"{mode}: failed")
+            failed = True
+            continue
+        out[mode] = got
+        common.write_result(f"partitions-{mode}", got)
     for mode in ("flat", "part", "move", "bounded"):
+        if mode in both:
+            continue
         if mode not in modes or (mode == "bounded" and args.bounded_minutes <= 0):
             found = sorted(common.RESULTS.glob(f"partitions-{mode}-*.json"))
             if found:
@@ -354,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         out[mode] = json.loads(done.stdout.strip().splitlines()[-1])
         # Each part kept as it ends: a later part that fails loses nothing before it.
         common.write_result(f"partitions-{mode}", out[mode])
-    if not {"flat", "part", "move"} <= out.keys():
+    if not {"flat", "part"} <= out.keys():
+        print("the report needs both sides (flat and part)")
         return 1
     _report(out)
     out["machine"] = common.machine()
@@ -389,18 +457,21 @@ def _report(out: dict) -> None:
         if name.endswith("(database)"):
             continue
         other = part["timeline_ms"][name]
-        rows.append([f"timeline {name} ms", f"{value:.1f}", f"{other:.1f}",
-                     f"{other / value:.2f}"])
+        db, other_db = flat["timeline_ms"][f"{name} (database)"], part["timeline_ms"][
+            f"{name} (database)"]
+        rows.append([f"timeline {name}: ms (of it the database)", f"{value:.1f} ({db:.2f})",
+                     f"{other:.1f} ({other_db:.2f})", f"{other / value:.2f}"])
     rows.append([f"remove {flat['remove']['messages']:,} expired messages, s",
                  f"{flat['remove']['seconds']:.2f}", f"{part['remove']['seconds']:.2f}", ""])
     print(common.table(["", "one table", "partitioned", "ratio"], rows))
     print(f"partitioned: {part['remove']['partitions']} partitions dropped, the slowest in "
           f"{common.fmt(part['remove']['drop_s_max'], 3)} s; then {part['remove']['keys']:,} "
           f"message keys pruned in {part['remove']['keys_s']:.1f} s")
-    m = out["move"]
-    print(f"moving a history of {m['rows']:,} messages into partitions (manage.py "
-          f"history_partition, the migration's work): {m['seconds']:.1f} s, a writer's "
-          f"slowest insert meanwhile {m['writer']['slowest_ms']:,.0f} ms")
+    m = out.get("move")
+    if m:
+        print(f"moving a history of {m['rows']:,} messages into partitions (manage.py "
+              f"history_partition, the migration's work): {m['seconds']:.1f} s, a writer's "
+              f"slowest insert meanwhile {m['writer']['slowest_ms']:,.0f} ms")
     b = out.get("bounded")
     if b:
         print(f"bounded: {b['minutes']:g} min at {b['rate']:,.0f} msg/s, retention "

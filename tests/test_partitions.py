@@ -30,6 +30,7 @@ from messages.selectors import (
     message_replies,
     messages_filter,
     messages_page,
+    newest_message_id,
     task_attempts,
 )
 from messages.state import messages_insert_new
@@ -233,6 +234,22 @@ def test_reads_by_key_and_by_time_read_only_their_partitions(now):
         task_story(task)
     read = " ".join(q["sql"] for q in queries.captured_queries if "a2a_message" in q["sql"])
     assert '"a2a_message"."id" >=' in read
+    # The timeline filtered by that task: from its first entry on, and all of it.
+    flt = MessageFilter(task="t-two-days")
+    read = message_partitions_read(messages_filter(flt))
+    assert tomorrow in read and today not in read
+    assert [m.pk for m in messages_page(flt).rows] == [later.pk, row.pk]
+    # A task id with no entry (an answer to a request never seen) is not bounded.
+    assert today in message_partitions_read(messages_filter(MessageFilter(task="t-none")))
+
+
+@pytest.mark.django_db
+def test_the_newest_id_is_read_from_the_key_table_and_is_the_newest_row(now):
+    rows = [_sent(now - timedelta(hours=h)) for h in (0, 5, 30)]
+    with CaptureQueriesContext(connection) as queries:
+        newest = newest_message_id()
+    assert newest == max(r.pk for r in rows) == Message.objects.order_by("-pk")[0].pk
+    assert "a2a_message_key" in queries.captured_queries[-1]["sql"]
 
 
 @pytest.mark.django_db(transaction=True)
