@@ -42,6 +42,7 @@ from roster.generation import roster_generation
 from roster.hearing import bus_hearing
 from roster.models import (
     CONSOLE_AGENTS,
+    PROFILE_NODE_ID,
     Agent,
     ClusterNode,
     Consistency,
@@ -127,6 +128,12 @@ def candidate_for(agent: Agent | dict, now: datetime, *, accepted: bool = False)
     load = row["inflight"] / row["max_inflight"] if row["max_inflight"] else 1.0
     common = {"namespace": row["namespace__name"], "load": load}
     agent_id, node_id, status = row["agent_id"], row["node__node_id"], row["status"]
+    if node_id == PROFILE_NODE_ID:
+        # Its requests are JSON-RPC on the profile's topics, not an envelope on a node's
+        # inbox: a native send published to it would reach nobody.
+        return Candidate(agent_id, node_id, status, False,
+                         "speaks the A2A-over-MQTT profile, which native sends do not reach",
+                         **common)
     if status == Agent.Status.DRAINING and not accepted:
         return Candidate(agent_id, node_id, status, False, "draining: it takes no new work",
                          **common)

@@ -60,6 +60,13 @@ from reachconsole.core import identity
 from reachconsole.core.logs import log_fields
 from reachconsole.core.metrics import LocalCounter
 from roster.hearing import PROBE_EVERY_S, hearing_lost, hearing_record
+from roster.profile import (
+    SOURCE_PROPERTY,
+    STATUS_PROPERTY,
+    CardFrame,
+    cards_apply,
+    discovery_filter,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +115,17 @@ class Bridge:
                  session_expiry_s: int = 3600, max_queued: int = 10000, batch: int = 500,
                  heartbeat_ms: int = 5000, share_group: str = "", ingest: str = "auto",
                  console_id: str = "", keepalive_s: int = 15,
-                 reconnect_delay_s: tuple[float, float] = (1, 30)):
+                 reconnect_delay_s: tuple[float, float] = (1, 30),
+                 a2a_profile: bool | None = None):
         self.node_id = node_id
+        # The A2A-over-MQTT profile's cards (roster/profile.py): MQTT 5 only, since an
+        # agent's presence is a user property.
+        if a2a_profile is None:
+            a2a_profile = settings.REACH_A2A_PROFILE
+        if a2a_profile and protocol_version != "5":
+            log.warning("the A2A-over-MQTT profile needs MQTT 5; with MQTT_PROTOCOL=%s its "
+                        "agents' cards are not heard", protocol_version)
+        profile_filters = (discovery_filter(),) if a2a_profile else ()
         self.prefix = prefix
         self.max_queued = max_queued
         self.batch = batch
@@ -121,7 +137,7 @@ class Bridge:
             instance=instance, protocol_version=protocol_version, monitor=monitor,
             session_expiry_s=session_expiry_s, max_queued=max_queued, share_group=share_group,
             ingest=ingest, console_id=console_id, keepalive_s=keepalive_s,
-            reconnect_delay_s=reconnect_delay_s)
+            reconnect_delay_s=reconnect_delay_s, profile_filters=profile_filters)
         self.client_id = self.session.client_id
         self.url = self.session.url  # never the password: this one is logged
         # paho mid → (a2a_message pk, whether it is a task request, the request whose
@@ -293,7 +309,13 @@ class Bridge:
         # comes twice, usually in one batch: the shared copy is kept, the plain one is
         # dropped. Every copy is still acknowledged after the commit.
         kept: dict[tuple[str, bytes], Incoming] = {}
+        cards: list[CardFrame] = []
         for r in received:
+            if r.topic[:1] == "$":  # the A2A-over-MQTT profile: its discovery tree
+                user = dict(r.user)
+                cards.append(CardFrame(r.topic, r.payload, user.get(STATUS_PROPERTY, ""),
+                                       user.get(SOURCE_PROPERTY, "")))
+                continue
             key = (r.topic, r.payload)
             if key not in kept or (kept[key].copy and not r.copy):
                 kept[key] = Incoming(r.topic, r.payload,
@@ -304,8 +326,9 @@ class Bridge:
             try:
                 connection_keep()
                 try:
-                    result = messages_ingest(batch=batch, node_id=self.node_id,
-                                             prefix=self.prefix, receiver=self.client_id)
+                    result = (messages_ingest(batch=batch, node_id=self.node_id,
+                                              prefix=self.prefix, receiver=self.client_id)
+                              if batch else IngestResult())
                 except INFRA_DOWN:
                     raise
                 except Exception:
@@ -326,11 +349,31 @@ class Bridge:
                 log.warning("database or cache unavailable (%s); retrying in %.1f s", exc, delay)
                 self.counts["ingest_retries"] += 1
                 time.sleep(delay)
+        if cards:
+            # After the batch: a card is applied on its own (each one agent's, idempotent),
+            # and the same outage rules hold.
+            self._cards_apply(cards)
         self.counts.update(result.counts)
         self.counts[f"ingested:{self.client_id}"] += result.counts["stored"]
         self.session.ack(received)
         if result.to_publish:
             self._outbox_due.set()  # answers and freed work: publish them on this turn
+
+    def _cards_apply(self, cards: list[CardFrame]) -> None:
+        attempt = 0
+        while True:
+            try:
+                connection_keep()
+                self.counts.update(cards_apply(cards))
+                return
+            except INFRA_DOWN as exc:
+                if self._stop.is_set():
+                    return  # unacknowledged: the broker sends them again
+                delay = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
+                attempt += 1
+                log.warning("database unavailable for Agent Cards (%s); retrying in %.1f s",
+                            exc, delay)
+                time.sleep(delay)
 
     def _ingest_one_by_one(self, batch: list[Incoming]) -> IngestResult:
         total = IngestResult()

@@ -62,6 +62,10 @@ class Received:
     generation: int  # the connection it came on: its mid means nothing on another
     received_at: float = 0.0  # time.time() when paho handed it over
     copy: bool = False  # came through the plain own-inbox subscription (plan.plain_inbox)
+    # The A2A-over-MQTT profile's messages only (roster/profile.py): the retain flag, and
+    # the user properties as (name, value) pairs.
+    retain: bool = False
+    user: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +145,8 @@ class MqttSession:
                  counts: LocalCounter, instance: str = "1", protocol_version: str = "5",
                  monitor: bool = True, session_expiry_s: int = 3600, max_queued: int = 10000,
                  share_group: str = "", ingest: str = "auto", console_id: str = "",
-                 keepalive_s: int = 15, reconnect_delay_s: tuple[float, float] = (1, 30)):
+                 keepalive_s: int = 15, reconnect_delay_s: tuple[float, float] = (1, 30),
+                 profile_filters: tuple[str, ...] = ()):
         # TLS and credentials come with the URL and the settings (messages/mqtt_client.py).
         self.target = broker_target(url, protocol=protocol_version)
         self.url = self.target.display  # never the password: this one is logged
@@ -164,7 +169,8 @@ class MqttSession:
         self.share_group = share_group or f"reach-{node_id or 'anon'}"
         self.plan = IngestPlan(prefix=prefix, node_id=node_id, monitor=monitor,
                                share_group=self.share_group, probe_topic=self.probe_topic,
-                               setting=ingest, v5=self.v5, caps=self.caps)
+                               setting=ingest, v5=self.v5, caps=self.caps,
+                               profile_filters=profile_filters)
         self.ingest_lock: IngestLock | None = None  # used in single mode only
         self._next_lock_try = 0.0
         self._outage_said = False  # single mode: the database-outage warning, once an outage
@@ -463,6 +469,14 @@ class MqttSession:
             else:
                 self.counts["probe_malformed"] += 1
             return
+        if message.topic[:1] == "$":
+            # The A2A-over-MQTT profile (the only `$` tree subscribed but $SYS): what it says
+            # in user properties (a card's presence) and whether the broker kept it.
+            user = getattr(message.properties, "UserProperty", None) or ()
+            self.handoff.put(Received(message.topic, message.payload, message.mid,
+                                      message.qos, self.generation, time.time(),
+                                      retain=bool(message.retain), user=tuple(user)))
+            return
         ids = getattr(message.properties, "SubscriptionIdentifier", None) or ()
         copy = PLAIN_INBOX_SID in ids and bool(self.plan.plain_inbox())
         self.handoff.put(Received(message.topic, message.payload, message.mid, message.qos,
@@ -491,6 +505,9 @@ class MqttSession:
                 props = Properties(PacketTypes.SUBSCRIBE)
                 props.SubscriptionIdentifier = PLAIN_INBOX_SID
                 client.subscribe(plain, qos=1, properties=props)
+            profile = plan.profile_subscriptions()
+            if profile:
+                client.subscribe(profile)
             subscriptions = plan.subscriptions()
             _, mid = client.subscribe(subscriptions)
             if then_listen:

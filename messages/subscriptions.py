@@ -59,7 +59,8 @@ class IngestPlan:
     read as it changes."""
 
     def __init__(self, *, prefix: str, node_id: str, monitor: bool, share_group: str,
-                 probe_topic: str, setting: str, v5: bool, caps: dict[str, Any]):
+                 probe_topic: str, setting: str, v5: bool, caps: dict[str, Any],
+                 profile_filters: tuple[str, ...] = ()):
         if setting not in INGEST_CHOICES:
             raise ValueError(f"ingest {setting!r}: use one of {', '.join(INGEST_CHOICES)}")
         self.prefix = prefix
@@ -70,6 +71,8 @@ class IngestPlan:
         self.setting = setting
         self.v5 = v5
         self.caps = caps
+        # The A2A-over-MQTT profile's discovery tree (roster/profile.py), MQTT 5 only.
+        self.profile_filters = profile_filters if v5 else ()
         self.mode = ""
         self.ingesting = False  # whether the inbound subscriptions are (to be) in place
         # Single mode: whether this connection has asked for the ingest lock yet. Until it
@@ -127,6 +130,14 @@ class IngestPlan:
         subs.append((beats, 0))  # every bridge hears every heartbeat: see above
         return subs
 
+    def profile_subscriptions(self) -> list[tuple[str, int]]:
+        """The profile's retained Agent Cards: plain, never shared (a broker hands retained
+        messages to plain subscriptions only), heard by every bridge that ingests, as the
+        heartbeats are; a card already on the roster writes nothing. Subscribed in a packet
+        of their own (MqttSession): a broker that refuses `$a2a/…` leaves the native dialect
+        heard."""
+        return [(f, 1) for f in self.profile_filters] if self.ingesting else []
+
     def plain_inbox(self) -> str:
         """The own inbox's plain subscription beside the shared one (see above), or ""."""
         if (self.ingesting and self.mode == "shared"
@@ -151,7 +162,8 @@ class IngestPlan:
                 self.shared(wildcard), wildcard]
             return [t for t in plain if t not in (own, beats)] + [self.shared(beats)] + (
                 [own] if own and not self.plain_inbox() else []) + other
-        stale = [] if self.ingesting or not self.lock_asked else plain
+        stale = [] if self.ingesting or not self.lock_asked else (
+            plain + list(self.profile_filters))
         if self.monitor and self.own_inbox():
             stale.append(self.own_inbox())  # the plain own inbox of a shared-mode run
         if self.caps.get("shared_subscriptions"):

@@ -48,6 +48,11 @@ COUNTER_FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                    "instance", ("instance",)),
     "rejected": ("reach_rejected", "Payloads dropped as not an A2A envelope, by reason",
                  ("reason",)),
+    "cards": ("reach_profile_cards", "A2A-over-MQTT Agent Cards heard, by what they did to "
+              "the roster (registered, updated, offline, online, removed, unchanged, absent)",
+              ("outcome",)),
+    "profile_cards_rejected": ("reach_profile_cards_rejected", "A2A-over-MQTT Agent Cards "
+                               "refused whole, by reason", ("reason",)),
     "retries": ("reach_retries", "New attempts of a task (attempt 2 and later: no ACK in "
                 "time, a retryable NACK, or BUSY)", ()),
 }

@@ -283,6 +283,15 @@ MQTT_PROTOCOL = env_str("MQTT_PROTOCOL", "5")
 if MQTT_PROTOCOL not in {"5", "3.1.1"}:
     raise ImproperlyConfigured(f"MQTT_PROTOCOL={MQTT_PROTOCOL!r}: use 5 or 3.1.1")
 MQTT_SESSION_EXPIRY_S = env_int("MQTT_SESSION_EXPIRY_S", 3600, minimum=0)
+# The open A2A-over-MQTT profile beside the native dialect (roster/profile.py): the bridges
+# hear its retained Agent Cards (MQTT 5 only: presence is a user property). The root is the
+# profile's own; another is for consoles that must not see each other's cards (tests).
+REACH_A2A_PROFILE = env_bool("REACH_A2A_PROFILE", True)
+REACH_A2A_ROOT = env_str("REACH_A2A_ROOT", "$a2a/v1").rstrip("/")
+if set(REACH_A2A_ROOT) & set("+#") or not REACH_A2A_ROOT:
+    raise ImproperlyConfigured(f"REACH_A2A_ROOT={REACH_A2A_ROOT!r}: a topic without wildcards")
+# The largest Agent Card taken (EMQX's A2A registry refuses larger by default too).
+REACH_A2A_CARD_MAX_BYTES = env_int("REACH_A2A_CARD_MAX_BYTES", 65536, minimum=1024)
 MQTT_MAX_QUEUED = env_int("MQTT_MAX_QUEUED", 10000, minimum=10)
 # The MQTT keepalive, and how long a bridge waits for its own probe to come back before it
 # calls an open connection dead and reconnects (a NAT, a load balancer or a paused VM that

@@ -134,6 +134,12 @@ class AgentOut(Schema):
     last_heartbeat_at: datetime | None = Field(None, serialization_alias="lastHeartbeatAt")
     registered_at: datetime = Field(..., serialization_alias="registeredAt")
     drained_at: datetime | None = Field(None, serialization_alias="drainedAt")
+    dialect: Literal["native", "a2a-mqtt"] = Field(
+        "native", description="native: the envelope on a node's inbox, with a lease; "
+        "a2a-mqtt: an A2A-over-MQTT profile agent, registered by its retained Agent Card")
+    presence_source: str = Field("", serialization_alias="presenceSource", description=(
+        "a2a-mqtt only: who said its status last (agent, lwt: its Last Will, broker)"))
+    presence_since: datetime | None = Field(None, serialization_alias="presenceSince")
 
 
 class DeregisteredOut(Schema):
@@ -172,7 +178,8 @@ def _agent_out(agent: Agent, now: datetime) -> dict[str, Any]:
         "inflight": agent.inflight,
         "queue_depth": agent.queue_depth, "lease_expires_at": agent.lease_expires_at,
         "last_heartbeat_at": agent.last_heartbeat_at, "registered_at": agent.registered_at,
-        "drained_at": agent.drained_at,
+        "drained_at": agent.drained_at, "dialect": agent.dialect,
+        "presence_source": agent.presence_source, "presence_since": agent.presence_since,
     }
 
 
@@ -246,6 +253,7 @@ def agents_list(
     capability: str = Query("", max_length=600),
     status: Literal["", "ONLINE", "DRAINING", "OFFLINE", "STALE"] = "",
     stale: bool | None = None,
+    dialect: Literal["", "native", "a2a-mqtt"] = "",
     limit: int = Query(1000, ge=1, le=10000),
     offset: int = Query(0, ge=0, le=100_000_000),
     after: str = Query("", max_length=265, description=(
@@ -256,7 +264,7 @@ def agents_list(
     `offset` still works but reads every row it skips."""
     qs = agents_filter(
         AgentFilter(namespace=namespace, node_id=node_id, capability=capability, status=status,
-                    stale=stale)
+                    stale=stale, dialect=dialect)
     )
     namespaces = request.auth.token.namespaces
     if namespaces is not None:

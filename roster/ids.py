@@ -6,6 +6,7 @@ it through these, so one rule (roster/models.py's expressions) decides what a va
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,9 @@ from roster.errors import AGENT_ID_HELP, InvalidAgentId, InvalidField
 from roster.models import NAME_RE, NAMESPACE_RE, NODE_ID_RE, Agent
 
 MAX_LABELS = 64
+# The A2A-over-MQTT profile's identifiers (org, unit, agent, pool): "MUST match
+# ^[A-Za-z0-9_.-]+$"; its agents' ids on the roster are `{org}/{unit}/{agent}`.
+PROFILE_ID_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 MAX_INFLIGHT_RANGE = (1, 100_000)
 AGENT_ID_MAX_LENGTH = Agent._meta.get_field("agent_id").max_length
 
@@ -45,6 +49,23 @@ def agent_id_parse(raw: Any) -> AgentRef:
             or len(text) > AGENT_ID_MAX_LENGTH):
         raise InvalidAgentId(errors.AGENT_ID_INVALID.format(raw=raw[:100], help=AGENT_ID_HELP))
     return AgentRef(namespace=namespace, name=name)
+
+
+def profile_agent_id(raw: Any) -> str | None:
+    """`acme/ops/echo` (an A2A-over-MQTT profile agent's id, roster/profile.py) as it is
+    stored, or None when `raw` is not one."""
+    if not isinstance(raw, str) or len(raw) > AGENT_ID_MAX_LENGTH:
+        return None
+    parts = raw.split("/")
+    if len(parts) == 3 and all(PROFILE_ID_RE.fullmatch(p) for p in parts):
+        return raw
+    return None
+
+
+def stored_agent_id(raw: Any) -> str:
+    """The roster's id for what a caller typed: a profile agent's id as it is, a native one
+    parsed (`fin/tax` → `fin.tax`); InvalidAgentId for neither."""
+    return profile_agent_id(raw) or agent_id_parse(raw).agent_id
 
 
 def node_id_check(raw: Any, *, field: str = "nodeId") -> str:

@@ -128,6 +128,17 @@ class ClusterNode(models.Model):
         return (now or timezone.now()) - self.last_seen_at <= window
 
 
+class Dialect(models.TextChoices):
+    NATIVE = "native", "native envelope"
+    A2A_MQTT = "a2a-mqtt", "A2A over MQTT"
+
+
+# The one node row the A2A-over-MQTT profile's agents sit on (roster/profile.py): the broker
+# delivers to them, no node of the cluster does; it sends no heartbeat and is no member of
+# the cluster's node set, so the node sweep and reconciliation leave it alone.
+PROFILE_NODE_ID = "a2a-mqtt"
+
+
 class Agent(models.Model):
     class Status(models.TextChoices):
         ONLINE = "ONLINE", "online"
@@ -160,6 +171,16 @@ class Agent(models.Model):
     queue_depth = models.PositiveIntegerField(default=0)
     registered_at = models.DateTimeField(default=timezone.now, editable=False)
     updated_at = models.DateTimeField(auto_now=True)
+    # The A2A-over-MQTT profile's agents (roster/profile.py): registered by their retained
+    # Agent Card, kept verbatim; their presence is the broker's word (the card's
+    # a2a-status and a2a-status-source, since when), not a lease. A card refused after a
+    # good one is kept here for the agent's page, the good one still standing.
+    dialect = models.CharField(max_length=16, choices=Dialect.choices, default=Dialect.NATIVE)
+    card = models.TextField(blank=True)
+    presence_source = models.CharField(max_length=8, blank=True)
+    presence_since = models.DateTimeField(null=True, blank=True)
+    card_refused = models.CharField(max_length=300, blank=True)
+    card_refused_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["agent_id"]
@@ -194,14 +215,16 @@ class Agent(models.Model):
         on a node reconciliation found STALE: what the directory calls STALE and routes no
         work to (directory/resolver.py). Read with its node (select_related). `hearing`: the
         console's (roster.hearing.bus_hearing), which silence is judged against."""
-        if self.status == self.Status.OFFLINE:
-            return False
+        if self.status == self.Status.OFFLINE or self.dialect != Dialect.NATIVE:
+            return False  # a profile agent's presence is its card's (roster/profile.py)
         if self.node.consistency == Consistency.STALE:
             return True
         cutoff = stale_cutoff(hearing)
         return cutoff is not None and (self.last_heartbeat_at or self.registered_at) < cutoff
 
     def lease_lapsed(self, *, hearing) -> bool:
+        if self.dialect != Dialect.NATIVE:
+            return False  # no lease: the broker says when it is gone
         cutoff = lapse_cutoff(hearing)
         return cutoff is not None and self.lease_expires_at <= cutoff
 
@@ -244,6 +267,8 @@ class RosterEvent(models.Model):
         REMOVED = "REMOVED", "removed after drain"
         REVIVED = "REVIVED", "back online"
         CONFLICT = "CONFLICT", "listed by another node"
+        CARD = "CARD", "Agent Card changed"
+        OFFLINE = "OFFLINE", "offline, by its Agent Card"
 
     # Indexed by migration 0008 outside the model: BRIN on PostgreSQL (a history row costs
     # it next to nothing, and the rows arrive in time order), a btree on SQLite. It serves

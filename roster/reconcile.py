@@ -32,7 +32,14 @@ from django.utils import timezone
 
 from reachconsole.core.audit import audit_record
 from roster.hearing import Hearing, bus_hearing, node_down_after, silence_words
-from roster.models import NODE_ID_RE, Agent, ClusterNode, Consistency, Reconciliation
+from roster.models import (
+    NODE_ID_RE,
+    PROFILE_NODE_ID,
+    Agent,
+    ClusterNode,
+    Consistency,
+    Reconciliation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +148,10 @@ def cluster_reconcile(*, trigger: str, actor: str = "", timeout_s: float | None 
     now = now or timezone.now()
     hearing = bus_hearing(now=now)
     with transaction.atomic():
-        nodes = list(ClusterNode.objects.select_for_update().order_by("node_id"))
+        # The A2A-over-MQTT profile's node is no member of the cluster: its agents' presence
+        # is their cards' (roster/profile.py), and it stays OK.
+        nodes = list(ClusterNode.objects.select_for_update().exclude(node_id=PROFILE_NODE_ID)
+                     .order_by("node_id"))
         changed, changes = [], []
         for node in nodes:
             verdict, reason = node_verdict(node, node_set, now=now, hearing=hearing)

@@ -11,7 +11,7 @@ from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from roster.hearing import bus_hearing, node_down_after
-from roster.models import Agent, ClusterNode, Consistency, RosterEvent, stale_cutoff
+from roster.models import Agent, ClusterNode, Consistency, Dialect, RosterEvent, stale_cutoff
 
 # Each heartbeat that lists a misplaced agent writes one event: the newest few thousand are
 # plenty to show which conflicts are current.
@@ -28,11 +28,12 @@ class AgentFilter:
     status: str = ""  # ONLINE, DRAINING, OFFLINE, or STALE
     q: str = ""
     stale: bool | None = None
+    dialect: str = ""  # native or a2a-mqtt (roster/profile.py)
 
     def as_query(self) -> dict[str, str]:
         values = {
             "namespace": self.namespace, "node": self.node_id, "capability": self.capability,
-            "status": self.status, "q": self.q,
+            "status": self.status, "q": self.q, "dialect": self.dialect,
         }
         return {key: value for key, value in values.items() if value}
 
@@ -45,10 +46,12 @@ def _stale_q(now: datetime) -> Q:
         # The console has not heard the bus long enough to judge heartbeats; what
         # reconciliation found of a node does not depend on that.
         return ~Q(status=Agent.Status.OFFLINE) & on_stale_node
+    # A profile agent has no heartbeat: its presence is its card's (roster/profile.py).
     return ~Q(status=Agent.Status.OFFLINE) & (
         on_stale_node
-        | Q(last_heartbeat_at__lt=cutoff)
-        | Q(last_heartbeat_at__isnull=True, registered_at__lt=cutoff)
+        | Q(dialect=Dialect.NATIVE) & (
+            Q(last_heartbeat_at__lt=cutoff)
+            | Q(last_heartbeat_at__isnull=True, registered_at__lt=cutoff))
     )
 
 
@@ -59,6 +62,8 @@ def agents_filter(flt: AgentFilter, *, now: datetime | None = None) -> QuerySet[
         qs = qs.filter(namespace__name=flt.namespace)
     if flt.node_id:
         qs = qs.filter(node__node_id=flt.node_id)
+    if flt.dialect:
+        qs = qs.filter(dialect=flt.dialect)
     if flt.capability:
         # The list is stored as JSON text on every backend; quoting the name matches one
         # whole element, not a substring of another capability.

@@ -41,9 +41,11 @@ from roster.ids import (
     MAX_LABELS,
     agent_id_parse,
     node_id_check,
+    stored_agent_id,
 )
 from roster.models import (
     NAME_RE,
+    PROFILE_NODE_ID,
     Agent,
     ClusterNode,
     Consistency,
@@ -336,13 +338,13 @@ def agent_renew(
 
 
 def _agent_for_update(agent_id: str) -> Agent:
-    ref = agent_id_parse(agent_id)
+    stored = stored_agent_id(agent_id)
     agent = (
         Agent.objects.select_for_update(of=("self",)).select_related("node")
-        .filter(agent_id=ref.agent_id).first()
+        .filter(agent_id=stored).first()
     )
     if agent is None:
-        raise AgentNotFound(errors.AGENT_NOT_FOUND.format(agent_id=ref.agent_id))
+        raise AgentNotFound(errors.AGENT_NOT_FOUND.format(agent_id=stored))
     return agent
 
 
@@ -733,11 +735,13 @@ def nodes_sweep(*, now: datetime | None = None) -> int:
         return 0
     live = [ClusterNode.Status.ONLINE, ClusterNode.Status.REGISTERED]
     # Nodes are few (one row a machine or process): judged here, each by its own interval,
-    # then changed in guarded statements.
+    # then changed in guarded statements. The A2A-over-MQTT profile's node sends no
+    # heartbeat: its agents' presence is their cards' (roster/profile.py).
     down: list[int] = []
     stale: dict[int, str] = {}
     for pk, node_id, last_seen, created, beat_ms, consistency in (
-            ClusterNode.objects.filter(status__in=live).values_list(
+            ClusterNode.objects.filter(status__in=live).exclude(
+                node_id=PROFILE_NODE_ID).values_list(
                 "pk", "node_id", "last_seen_at", "created_at", "heartbeat_ms",
                 "consistency")):
         window = node_down_after(beat_ms)

@@ -20,7 +20,8 @@ from reachconsole.core.broker_drops import broker_drops_read
 from roster import services
 from roster.errors import RosterError
 from roster.loads import LOAD_MEANING, agents_load
-from roster.models import Agent, ClusterNode, Reconciliation, RosterEvent
+from roster.models import Agent, ClusterNode, Dialect, Reconciliation, RosterEvent
+from roster.profile import card_shown
 from roster.reconcile import cluster_reconcile, last_reconciliation
 from roster.selectors import (
     AgentFilter,
@@ -43,9 +44,11 @@ def _filter_from(request: HttpRequest) -> AgentFilter:
     status = get.get("status", "")
     if status not in filter_choices()["statuses"]:
         status = ""
+    dialect = get.get("dialect", "")
     return AgentFilter(
         namespace=get.get("namespace", "").strip(), node_id=get.get("node", "").strip(),
         capability=get.get("capability", "").strip(), status=status, q=get.get("q", "").strip(),
+        dialect=dialect if dialect in Dialect.values else "",
     )
 
 
@@ -136,6 +139,7 @@ def agent_detail(request: HttpRequest, agent_id: str) -> HttpResponse:
     return render(request, "roster/agent_detail.html", {
         "agent": agent, "events": events, "can_drain": can_drain, "now": now,
         "conflicts": sorted(conflicts, key=lambda c: c.claimed_by),
+        "card": card_shown(agent.card) if agent.card else None,
     })
 
 

@@ -103,6 +103,14 @@ class ApiClient:
 
 
 @pytest.fixture(autouse=True)
+def _no_profile_cards(settings):
+    """Test bridges do not hear the A2A-over-MQTT profile's cards unless a test asks
+    (tests/test_profile_sdk.py): on the machine's shared broker they would register any
+    card another process left retained into the test's roster."""
+    settings.REACH_A2A_PROFILE = False
+
+
+@pytest.fixture(autouse=True)
 def _no_delivery_tallies_of_earlier_tests():
     """Readiness judges the deliveries of the last seconds, tallied in a cache that earlier
     tests of this process (or run) shared: each test starts without theirs."""

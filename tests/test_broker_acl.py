@@ -154,6 +154,25 @@ def test_a_node_cannot_read_the_brokers_counters_and_the_console_can(broker):
         node_a.close()
 
 
+def test_the_console_reads_the_a2a_profiles_cards_and_a_node_does_not(broker):
+    console = Client(broker, "console")
+    node_a = Client(broker, "node-a")
+    topic = f"$a2a/v1/discovery/acl{uuid.uuid4().hex[:6]}/ops/echo"
+    try:
+        # `#` alone would not grant it: topics that begin with `$` need a line of their own.
+        assert not any(rc.is_failure for rc in console.subscribe("$a2a/v1/discovery/+/+/+"))
+        node_a.subscribe("$a2a/v1/discovery/+/+/+", f"{PREFIX}/node/node-a/inbox")
+        console.publish(topic, b"{}")
+        assert console.received_until(b"{}") == [(topic, b"{}")]
+        # The node's subscription is granted, but Mosquitto delivers only what it may read:
+        # the marker that follows the card on its own inbox comes alone.
+        console.publish(f"{PREFIX}/node/node-a/inbox", b"marker")
+        assert node_a.received_until(b"marker") == [(f"{PREFIX}/node/node-a/inbox", b"marker")]
+    finally:
+        console.close()
+        node_a.close()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_consoles_real_bridge_works_through_its_account(broker, settings):
     """Shared subscriptions of the inboxes, the heartbeat wildcard and the probe, all

@@ -10,7 +10,7 @@ practice_patterns = ([
     path("nodes/<str:node_id>/stop/", practice.node_switch, {"to": "stop"}, name="node-stop"),
     path("nodes/<str:node_id>/start/", practice.node_switch, {"to": "start"},
          name="node-start"),
-    path("agents/<str:agent_id>/fault/", practice.agent_fault, name="fault"),
+    path("agents/<agent:agent_id>/fault/", practice.agent_fault, name="fault"),
 ], "practice")
 
 urlpatterns = [path("practice/", include(practice_patterns)), *console_urlpatterns]

@@ -1,0 +1,163 @@
+"""The console's bridge and agents written with the A2A-over-MQTT profile's own SDK
+(`a2a-over-mqtt`, emqx/mqtt-for-ai), on the real broker: the SDK's retained Agent Card puts
+the agent on the roster, its Last Will (the process killed) or its goodbye (stopped) makes it
+OFFLINE, and a cleared card removes it. Malformed cards the SDK never sends are published
+with the broker's own `mosquitto_pub`.
+
+The profile is MQTT 5 only: the embedded broker (`make test`'s) speaks 3.1.1, so these run
+in CI's real-services run, against Mosquitto."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from messages.bridge import Bridge
+from reachconsole.core.metrics import counters_snapshot
+from roster.models import Agent, RosterEvent
+from tests.conftest import stop_process
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def v5(broker):
+    if broker.protocol != "5":
+        pytest.skip("the A2A-over-MQTT profile is MQTT 5 only; the embedded broker speaks "
+                    "3.1.1 (CI's real-services run has Mosquitto)")
+    return broker
+
+
+@pytest.fixture
+def profile_bridge(v5, mqtt_settings):
+    mqtt_settings.REACH_A2A_PROFILE = True
+    instance = Bridge(url=v5.url, node_id="console", prefix=mqtt_settings.MQTT_TOPIC_PREFIX,
+                      instance=uuid.uuid4().hex[:8], protocol_version="5", heartbeat_ms=200,
+                      a2a_profile=True)
+    instance.start()
+    assert instance.wait_connected(10)
+    yield instance
+    instance.stop()
+
+
+@pytest.fixture
+def org(v5):
+    """An org of this test's own, and every card it left retained cleared afterwards."""
+    name = f"t{uuid.uuid4().hex[:10]}"
+    yield name
+    subprocess.run(["mosquitto_sub", "-V", "mqttv5", "-h", v5.host, "-p", str(v5.port),
+                    "-t", f"$a2a/v1/discovery/{name}/#", "-W", "1", "-v", "--retained-only",
+                    "--remove-retained"], capture_output=True, check=False, timeout=10)
+
+
+def agent_process(broker, org: str, agent: str, *skills: str,
+                  version: str = "1.0.0") -> subprocess.Popen:
+    args = [sys.executable, str(ROOT / "tests" / "profile_agent.py"), "--host", broker.host,
+            "--port", str(broker.port), "--org", org, "--unit", "ops", "--agent", agent,
+            "--version", version]
+    for skill in skills:
+        args += ["--skill", skill]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = proc.stdout.readline()
+    assert line.strip() == "ready", (line, proc.stderr.read() if proc.poll() else "")
+    return proc
+
+
+def eventually(check, *, timeout: float = 10.0, what: str = ""):
+    deadline = time.monotonic() + timeout
+    while True:
+        found = check()
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.1)
+
+
+def agent_in(agent_id: str, **expected) -> Agent | None:
+    agent = Agent.objects.filter(agent_id=agent_id).first()
+    if agent and all(getattr(agent, k) == v for k, v in expected.items()):
+        return agent
+    return None
+
+
+def test_an_sdk_agent_is_on_the_roster_then_offline_by_its_last_will(v5, profile_bridge, org):
+    proc = agent_process(v5, org, "echo", "echo", "summarize")
+    agent_id = f"{org}/ops/echo"
+    try:
+        agent = eventually(lambda: agent_in(agent_id), what="the card on the roster")
+        assert agent.dialect == "a2a-mqtt" and agent.namespace.name == org
+        assert agent.capabilities == ["echo", "summarize"]
+        assert '"protocolBinding": "MQTTv5+JSONRPCv2"' in agent.card  # verbatim, as sent
+        assert (agent.status, agent.presence_source) == ("ONLINE", "agent")
+        # Killed: no goodbye; the broker publishes the Last Will the SDK left with it.
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        agent = eventually(lambda: agent_in(agent_id, status="OFFLINE"),
+                           what="OFFLINE by the Last Will")
+        assert agent.presence_source == "lwt"
+        assert list(RosterEvent.objects.filter(agent_id=agent_id).order_by("at", "id")
+                    .values_list("kind", "detail")) == [
+            ("REGISTERED", "Agent Card 'Echo echo' v1.0.0, online"),
+            ("OFFLINE", "a2a-status=offline, source lwt")]
+    finally:
+        stop_process(proc)
+
+
+def test_stopped_then_back_with_a_new_card_then_cleared(v5, profile_bridge, org):
+    agent_id = f"{org}/ops/echo"
+    proc = agent_process(v5, org, "echo", "echo")
+    eventually(lambda: agent_in(agent_id, status="ONLINE"), what="registered")
+    # Stopped gracefully, the SDK republishes its card offline, source agent.
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(10)
+    eventually(lambda: agent_in(agent_id, status="OFFLINE", presence_source="agent"),
+               what="OFFLINE by its goodbye")
+    # Back, with another version and a skill more: ONLINE, the change in its history.
+    proc = agent_process(v5, org, "echo", "echo", "translate", version="1.1.0")
+    try:
+        agent = eventually(lambda: agent_in(agent_id, status="ONLINE", version="1.1.0"),
+                           what="back online with the new card")
+        assert agent.capabilities == ["echo", "translate"]
+        kinds = list(RosterEvent.objects.filter(agent_id=agent_id).order_by("at", "id")
+                     .values_list("kind", flat=True))
+        assert kinds == ["REGISTERED", "OFFLINE", "CARD", "REVIVED"]
+    finally:
+        stop_process(proc)
+    # The profile's unregister: the retained card cleared.
+    subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-h", v5.host, "-p", str(v5.port),
+                    "-t", f"$a2a/v1/discovery/{agent_id}", "-r", "-n", "-q", "1"],
+                   check=True, timeout=10)
+    eventually(lambda: not Agent.objects.filter(agent_id=agent_id).exists(),
+               what="removed by the cleared card")
+
+
+def rejected(bridge, reason: str) -> int:
+    key = f"profile_cards_rejected:{reason}"
+    return bridge.counts[key] + counters_snapshot().get(key, 0)
+
+
+def test_malformed_cards_from_bare_frames_are_refused_and_counted(v5, profile_bridge, org):
+    def publish(agent: str, payload: str, *props: str) -> None:
+        args = ["mosquitto_pub", "-V", "mqttv5", "-h", v5.host, "-p", str(v5.port), "-q", "1",
+                "-r", "-t", f"$a2a/v1/discovery/{org}/ops/{agent}", "-m", payload]
+        for prop in props:
+            args += ["-D", "PUBLISH", "user-property", *prop.split("=")]
+        subprocess.run(args, check=True, timeout=10)
+
+    before = {r: rejected(profile_bridge, r) for r in ("bad_json", "missing_fields")}
+    publish("broken", "{not json", "a2a-status=online")
+    publish("bare", '{"name": "only a name"}')
+    eventually(lambda: rejected(profile_bridge, "bad_json") > before["bad_json"]
+               and rejected(profile_bridge, "missing_fields") > before["missing_fields"],
+               what="both refusals counted")
+    assert not Agent.objects.filter(namespace__name=org).exists()
+    assert not Agent.objects.filter(agent_id__startswith=f"{org}/").exists()
