@@ -6,9 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-
-from asgiref.sync import sync_to_async
+from collections.abc import Callable, Iterable, Iterator
 
 from messages.selectors import FilterError
 
@@ -31,17 +29,6 @@ def filter_form(get) -> dict:
     values = {name: (get.get(name) or "")[:265] for name in FILTER_PARAMS if name != "status"}
     values["statuses"] = [s.strip().upper() for v in get.getlist("status") for s in v.split(",")]
     return values
-
-
-_END = object()
-
-
-async def streamed(chunks: Iterator[str]) -> AsyncIterator[str]:
-    # Under ASGI Django reads a synchronous iterator to its end before sending a byte; read
-    # each chunk (one keyset page, one query) in the thread that serves sync code instead.
-    read = sync_to_async(next, thread_sensitive=True)
-    while (chunk := await read(chunks, _END)) is not _END:
-        yield chunk
 
 
 # A spreadsheet runs a cell that starts with one of these as a formula; payloads and error

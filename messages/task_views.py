@@ -9,7 +9,6 @@ from urllib.parse import quote, urlsplit
 
 from django.contrib import messages as flash
 from django.contrib.auth.decorators import login_required, permission_required
-from django.core.handlers.asgi import ASGIRequest
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.shortcuts import redirect, render
 from django.template.defaultfilters import pluralize
@@ -21,7 +20,7 @@ from django.views.decorators.vary import vary_on_headers
 
 from messages.cancel import BULK_CANCEL_MAX, task_cancel, tasks_cancel_bulk
 from messages.models import CANCELABLE_STATUSES, Direction, Message, Status, Task
-from messages.page_params import export_chunks, filter_form, page_cursor, streamed
+from messages.page_params import export_chunks, filter_form, page_cursor
 from messages.protocol import MessageType
 from messages.selectors import SINCE_PRESETS, FilterError, MessageFilter
 from messages.taskbook import (
@@ -33,6 +32,7 @@ from messages.taskbook import (
     tasks_pages,
 )
 from reachconsole.core.errors import ConsoleError
+from reachconsole.core.streaming import streamed_for
 
 TASK_PAGE = 100
 EXPORT_LIMIT = 100_000
@@ -117,7 +117,7 @@ def task_export(request: HttpRequest, kind: str) -> HttpResponse:
         return render(request, "errors/error.html", {
             "status": 400, "title": "Filter not understood", "detail": exc.detail}, status=400)
     chunks = _export_chunks(flt, kind)
-    content = streamed(chunks) if isinstance(request, ASGIRequest) else chunks
+    content = streamed_for(request, chunks)
     stamp = timezone.now().strftime("%Y%m%dT%H%M%SZ")
     response = StreamingHttpResponse(content, content_type={
         "csv": "text/csv; charset=utf-8", "jsonl": "application/x-ndjson; charset=utf-8"}[kind])

@@ -11,7 +11,6 @@ from urllib.parse import quote
 from django.conf import settings
 from django.contrib import messages as flash
 from django.contrib.auth.decorators import login_required, permission_required
-from django.core.handlers.asgi import ASGIRequest
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.template.defaultfilters import pluralize
@@ -25,7 +24,7 @@ from directory.routing import namespace_of, route_capability
 from messages.ledger import AGENT, ANSWER_BUCKETS_S, NODE
 from messages.models import CANCELABLE_STATUSES, FAILURE_STATUSES, Direction, Message, Status
 from messages.outbound import messages_resend
-from messages.page_params import export_chunks, filter_form, page_cursor, streamed
+from messages.page_params import export_chunks, filter_form, page_cursor
 from messages.protocol import MessageType
 from messages.redact import redacted
 from messages.rollups import (
@@ -57,6 +56,7 @@ from messages.selectors import (
 )
 from reachconsole.core.errors import ConsoleError
 from reachconsole.core.metrics import LATENCY_BUCKETS_S
+from reachconsole.core.streaming import streamed_for
 from roster.loads import LOAD_MEANING, agents_load
 from roster.models import Agent, ClusterNode
 
@@ -168,7 +168,7 @@ def message_export(request: HttpRequest, kind: str) -> HttpResponse:
         return render(request, "errors/error.html", {
             "status": 400, "title": "Filter not understood", "detail": exc.detail}, status=400)
     chunks = _export_chunks(flt, kind)
-    content = streamed(chunks) if isinstance(request, ASGIRequest) else chunks
+    content = streamed_for(request, chunks)
     stamp = timezone.now().strftime("%Y%m%dT%H%M%SZ")
     response = StreamingHttpResponse(content, content_type={
         "csv": "text/csv; charset=utf-8", "jsonl": "application/x-ndjson; charset=utf-8"}[kind])

@@ -8,6 +8,7 @@ from reachconsole import audit_views, health, overview
 from reachconsole.api import api
 from reachconsole.roster_numbers import ROSTER_NUMBERS
 from roster import views as roster_views
+from roster.catalog import ai_catalog
 
 urlpatterns = [
     # The roster page with the numbers it cannot read itself (roster imports no app): the
@@ -28,6 +29,8 @@ urlpatterns = [
     path("api/", api.urls),
     # Browsers ask every page's host for /favicon.ico (the admin's pages name none).
     path("favicon.ico", RedirectView.as_view(url=static("favicon.svg"), permanent=True)),
+    # The roster's agents, both dialects, as an AI Catalog (roster/catalog.py).
+    path(".well-known/ai-catalog.json", ai_catalog, name="ai_catalog"),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("metrics", health.metrics, name="metrics"),
