@@ -16,7 +16,7 @@ from django.core.cache import cache
 from django.utils import timezone
 
 from directory.resolver import AGENT_FIELDS, candidate_for
-from roster.models import Agent
+from roster.models import Agent, Dialect
 
 # Agents named per capability (the rest are counted): enough to act on, small to render.
 SHOWN_PER_CAPABILITY = 5
@@ -62,7 +62,10 @@ def capability_coverage(*, now: datetime | None = None, reuse_s: int = 0) -> lis
 
 def _coverage(now: datetime) -> list[Coverage]:
     found: dict[str, Coverage] = {}
-    rows = Agent.objects.values(*AGENT_FIELDS, "capabilities").order_by("agent_id")
+    # What native sends can reach: an A2A-over-MQTT profile agent's skills are no cover (no
+    # native send reaches it), and no alarm of a capability nobody routes to.
+    rows = (Agent.objects.filter(dialect=Dialect.NATIVE)
+            .values(*AGENT_FIELDS, "capabilities").order_by("agent_id"))
     for row in rows:
         capabilities = row["capabilities"]
         if not isinstance(capabilities, list) or not capabilities:

@@ -42,10 +42,10 @@ from roster.generation import roster_generation
 from roster.hearing import bus_hearing
 from roster.models import (
     CONSOLE_AGENTS,
-    PROFILE_NODE_ID,
     Agent,
     ClusterNode,
     Consistency,
+    Dialect,
     lapse_cutoff,
     stale_cutoff,
 )
@@ -103,7 +103,7 @@ def is_local_agent(agent_id: str) -> bool:
 
 AGENT_FIELDS = ("agent_id", "segment", "status", "lease_expires_at", "last_heartbeat_at",
                 "registered_at", "inflight", "max_inflight", "node__node_id", "namespace__name",
-                "node__status", "node__consistency", "node__consistency_reason")
+                "node__status", "node__consistency", "node__consistency_reason", "dialect")
 
 
 def agent_row(agent: Agent) -> dict:
@@ -114,7 +114,8 @@ def agent_row(agent: Agent) -> dict:
             "inflight": agent.inflight, "max_inflight": agent.max_inflight,
             "node__node_id": agent.node.node_id, "namespace__name": agent.namespace.name,
             "node__status": agent.node.status, "node__consistency": agent.node.consistency,
-            "node__consistency_reason": agent.node.consistency_reason}
+            "node__consistency_reason": agent.node.consistency_reason,
+            "dialect": agent.dialect}
 
 
 def candidate_for(agent: Agent | dict, now: datetime, *, accepted: bool = False) -> Candidate:
@@ -128,7 +129,7 @@ def candidate_for(agent: Agent | dict, now: datetime, *, accepted: bool = False)
     load = row["inflight"] / row["max_inflight"] if row["max_inflight"] else 1.0
     common = {"namespace": row["namespace__name"], "load": load}
     agent_id, node_id, status = row["agent_id"], row["node__node_id"], row["status"]
-    if node_id == PROFILE_NODE_ID:
+    if row["dialect"] != Dialect.NATIVE:
         # Its requests are JSON-RPC on the profile's topics, not an envelope on a node's
         # inbox: a native send published to it would reach nobody.
         return Candidate(agent_id, node_id, status, False,
@@ -225,7 +226,7 @@ def _choose(agents: list[dict], *, level: str, match: str | None, namespace: str
 _ROW_SQL = (
     "SELECT {level}, a.agent_id, a.segment, a.status, a.lease_expires_at, "
     "a.last_heartbeat_at, a.registered_at, a.inflight, a.max_inflight, n.node_id, ns.name, "
-    "n.status, n.consistency, n.consistency_reason "
+    "n.status, n.consistency, n.consistency_reason, a.dialect "
     "FROM roster_agent a JOIN roster_clusternode n ON n.id = a.node_id "
     "JOIN roster_namespace ns ON ns.id = a.namespace_id WHERE {where}"
 )
@@ -251,7 +252,7 @@ def _mention_sql(bound_to: int) -> str:
         _ROW_SQL.format(level=3, where=f"a.segment = %s{in_namespaces}"),
         # Aliases whatever their agent: one that points off the roster is its own answer.
         "SELECT 4, agent_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, "
-        "NULL, NULL "
+        "NULL, NULL, NULL "
         "FROM directory_alias WHERE alias = %s" + in_targets,
     ]) + f" LIMIT {4 * MAX_CANDIDATES}"
 

@@ -64,7 +64,7 @@ from roster.profile import (
     SOURCE_PROPERTY,
     STATUS_PROPERTY,
     CardFrame,
-    cards_apply,
+    card_counted,
     discovery_filter,
 )
 
@@ -314,7 +314,8 @@ class Bridge:
             if r.topic[:1] == "$":  # the A2A-over-MQTT profile: its discovery tree
                 user = dict(r.user)
                 cards.append(CardFrame(r.topic, r.payload, user.get(STATUS_PROPERTY, ""),
-                                       user.get(SOURCE_PROPERTY, "")))
+                                       user.get(SOURCE_PROPERTY, ""),
+                                       datetime.fromtimestamp(r.received_at, tz=UTC)))
                 continue
             key = (r.topic, r.payload)
             if key not in kept or (kept[key].copy and not r.copy):
@@ -349,31 +350,38 @@ class Bridge:
                 log.warning("database or cache unavailable (%s); retrying in %.1f s", exc, delay)
                 self.counts["ingest_retries"] += 1
                 time.sleep(delay)
-        if cards:
-            # After the batch: a card is applied on its own (each one agent's, idempotent),
-            # and the same outage rules hold.
-            self._cards_apply(cards)
+        if cards and not self._cards_apply(cards):
+            log.error("stopping with %d Agent Cards unapplied; the broker keeps them",
+                      len(cards))
+            return  # nothing acknowledged: the broker sends the batch again
         self.counts.update(result.counts)
         self.counts[f"ingested:{self.client_id}"] += result.counts["stored"]
         self.session.ack(received)
         if result.to_publish:
             self._outbox_due.set()  # answers and freed work: publish them on this turn
 
-    def _cards_apply(self, cards: list[CardFrame]) -> None:
+    def _cards_apply(self, cards: list[CardFrame]) -> bool:
+        """After the batch's messages: each card on its own (one agent's, its own
+        transaction), waiting out a database outage as the messages do, each counted once
+        it is applied. False when the bridge stops before all are: nothing of the batch is
+        acknowledged then, and the broker sends it again (a card applied twice writes
+        nothing the second time)."""
         attempt = 0
-        while True:
-            try:
-                connection_keep()
-                self.counts.update(cards_apply(cards))
-                return
-            except INFRA_DOWN as exc:
-                if self._stop.is_set():
-                    return  # unacknowledged: the broker sends them again
-                delay = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
-                attempt += 1
-                log.warning("database unavailable for Agent Cards (%s); retrying in %.1f s",
-                            exc, delay)
-                time.sleep(delay)
+        for card in cards:
+            while True:
+                try:
+                    connection_keep()
+                    self.counts[card_counted(card)] += 1
+                    break
+                except INFRA_DOWN as exc:
+                    if self._stop.is_set():
+                        return False
+                    delay = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
+                    attempt += 1
+                    log.warning("database unavailable for Agent Cards (%s); retrying in "
+                                "%.1f s", exc, delay)
+                    time.sleep(delay)
+        return True
 
     def _ingest_one_by_one(self, batch: list[Incoming]) -> IngestResult:
         total = IngestResult()

@@ -288,8 +288,10 @@ MQTT_SESSION_EXPIRY_S = env_int("MQTT_SESSION_EXPIRY_S", 3600, minimum=0)
 # profile's own; another is for consoles that must not see each other's cards (tests).
 REACH_A2A_PROFILE = env_bool("REACH_A2A_PROFILE", True)
 REACH_A2A_ROOT = env_str("REACH_A2A_ROOT", "$a2a/v1").rstrip("/")
-if set(REACH_A2A_ROOT) & set("+#") or not REACH_A2A_ROOT:
-    raise ImproperlyConfigured(f"REACH_A2A_ROOT={REACH_A2A_ROOT!r}: a topic without wildcards")
+if set(REACH_A2A_ROOT) & set("+#") or not REACH_A2A_ROOT.startswith("$"):
+    # The bridges tell the profile's messages from the native dialect's by the `$`.
+    raise ImproperlyConfigured(f"REACH_A2A_ROOT={REACH_A2A_ROOT!r}: a topic that begins with "
+                               "`$` (the profile's is $a2a/v1), without wildcards")
 # The largest Agent Card taken (EMQX's A2A registry refuses larger by default too).
 REACH_A2A_CARD_MAX_BYTES = env_int("REACH_A2A_CARD_MAX_BYTES", 65536, minimum=1024)
 MQTT_MAX_QUEUED = env_int("MQTT_MAX_QUEUED", 10000, minimum=10)

@@ -112,6 +112,14 @@ CONSOLE_NODE = (
     "node {node_id} is the console's own node; agents are registered there by the console "
     "only. Register the agent on the node that runs it"
 )
+PROFILE_NODE = (
+    "node {node_id} stands for the A2A-over-MQTT profile's agents, whom the broker serves; it "
+    "is not {action}: drain an agent of it one at a time, and its presence is its card's"
+)
+PROFILE_NODE_REGISTER = (
+    "nodeId {node_id} is the console's name for the A2A-over-MQTT profile's agents; a node of "
+    "the cluster registers under a name of its own"
+)
 CONSOLE_NODE_DRAIN = (
     "node {node_id} is the console's own node: its agents are the console's, and they stop "
     "with it, not by a drain"

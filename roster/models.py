@@ -181,6 +181,9 @@ class Agent(models.Model):
     presence_since = models.DateTimeField(null=True, blank=True)
     card_refused = models.CharField(max_length=300, blank=True)
     card_refused_at = models.DateTimeField(null=True, blank=True)
+    # When the bridge that applied the last card heard it: every bridge applies every card,
+    # so one that lags must not replay an older card over a newer one.
+    card_heard_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["agent_id"]

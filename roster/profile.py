@@ -36,7 +36,7 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
-from django.db import DataError, IntegrityError, transaction
+from django.db import IntegrityError, InterfaceError, OperationalError, transaction
 from django.utils import timezone
 
 from roster.generation import roster_changed
@@ -72,6 +72,9 @@ class CardFrame:
     payload: bytes
     status: str = ""  # the a2a-status user property, "" when absent
     source: str = ""  # a2a-status-source
+    # When paho handed it over (None: now). Every bridge applies every card, a lagging one
+    # later than the others: a card heard before the one the roster holds is not applied.
+    heard_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +100,7 @@ def card_identity(topic: str) -> CardIdentity:
         raise CardRefused("topic", f"{topic[:200]!r} is not a discovery topic "
                                    f"({prefix}{{org}}/{{unit}}/{{agent}})")
     for what, value in zip(("org", "unit", "agent"), parts, strict=True):
-        if not PROFILE_ID_RE.fullmatch(value):
+        if not PROFILE_ID_RE.fullmatch(value) or not value.strip("."):
             raise CardRefused("identifier", f"the {what} id {value[:80]!r} is not of the "
                                             "profile's alphabet [A-Za-z0-9_.-]")
     identity = CardIdentity(*parts)
@@ -122,6 +125,8 @@ def card_read(payload: bytes) -> tuple[str, dict[str, Any]]:
         card = json.loads(text)
     except (UnicodeDecodeError, ValueError) as exc:
         raise CardRefused("bad_json", f"the card is not JSON: {str(exc)[:120]}") from None
+    except RecursionError:
+        raise CardRefused("bad_json", "the card nests deeper than a JSON reader goes") from None
     if not isinstance(card, dict):
         raise CardRefused("bad_card", "the card is JSON but not an object")
     missing = [f for f in CARD_TEXT_FIELDS if not isinstance(card.get(f), str)]
@@ -216,17 +221,19 @@ def _skills_change(old: list[str], new: list[str]) -> str:
 
 def card_apply(frame: CardFrame, *, now: datetime | None = None) -> str:
     """What one discovery message does to the roster; returns the outcome counted
-    (registered, updated, offline, online, unchanged, removed, absent) or raises
+    (registered, updated, offline, online, unchanged, removed, absent, stale: heard
+    before what the roster holds) or raises
     CardRefused (after keeping the refusal on the agent it names, if known)."""
     now = now or timezone.now()
+    heard_at = frame.heard_at or now
     identity = card_identity(frame.topic)
     if not frame.payload:
-        return _card_remove(identity, now=now)
+        return _card_remove(identity, now=now, heard_at=heard_at)
     try:
         text, card = card_read(frame.payload)
     except CardRefused as exc:
-        Agent.objects.filter(agent_id=identity.agent_id, dialect=DIALECT).update(
-            card_refused=str(exc)[:300], card_refused_at=now)
+        Agent.objects.filter(agent_id=identity.agent_id, dialect=DIALECT).exclude(
+            card_heard_at__gt=heard_at).update(card_refused=str(exc)[:300], card_refused_at=now)
         raise
     status, source = _presence(frame)
     capabilities = card_capabilities(card)
@@ -234,11 +241,14 @@ def card_apply(frame: CardFrame, *, now: datetime | None = None) -> str:
               "endpoint": f"{settings.REACH_A2A_ROOT}/request/{identity.org}/{identity.unit}/"
                           f"{identity.agent}"[:500],
               "capabilities": capabilities, "card": text, "card_refused": "",
-              "card_refused_at": None}
+              "card_refused_at": None, "card_heard_at": heard_at}
     with transaction.atomic():
         agent = (Agent.objects.select_for_update(of=("self",))
                  .filter(agent_id=identity.agent_id).first())
         if agent is None:
+            if Event.objects.filter(agent_id=identity.agent_id, kind=Event.Kind.DEREGISTERED,
+                                    at__gt=heard_at).exists():
+                return "stale"  # removed after this card was heard (by another bridge)
             namespace, _ = Namespace.objects.get_or_create(name=identity.org)
             try:
                 with transaction.atomic():
@@ -256,8 +266,8 @@ def card_apply(frame: CardFrame, *, now: datetime | None = None) -> str:
                                         f"v{fields['version']}, {status.lower()}")
             roster_changed()
             return "registered"
-        if agent.dialect != DIALECT:
-            raise CardRefused("taken", f"{identity.agent_id} is a native agent's id")
+        if agent.card_heard_at and agent.card_heard_at > heard_at:
+            return "stale"  # another bridge applied a card heard after this one
         outcome = "unchanged"
         # A drain is an operator's decision: a card saying "online" does not undo it.
         new_status = status if not (agent.status == Agent.Status.DRAINING
@@ -289,34 +299,44 @@ def card_apply(frame: CardFrame, *, now: datetime | None = None) -> str:
         return outcome
 
 
-def _card_remove(identity: CardIdentity, *, now: datetime) -> str:
+def _card_remove(identity: CardIdentity, *, now: datetime, heard_at: datetime) -> str:
     with transaction.atomic():
         agent = (Agent.objects.select_for_update(of=("self",))
                  .filter(agent_id=identity.agent_id, dialect=DIALECT).first())
         if agent is None:
             return "absent"
+        if agent.card_heard_at and agent.card_heard_at > heard_at:
+            return "stale"  # the card came back after this removal was heard
         agent.delete()
+        # At the moment it was heard: a card heard before it, applied late by another bridge,
+        # is known for older (card_apply).
         Event.objects.create(agent_id=identity.agent_id, node_id=PROFILE_NODE_ID,
-                             kind=Event.Kind.DEREGISTERED, actor="card", at=now,
+                             kind=Event.Kind.DEREGISTERED, actor="card", at=heard_at,
                              detail="its retained Agent Card was cleared")
         roster_changed()
         return "removed"
 
 
+def card_counted(frame: CardFrame, *, now: datetime | None = None) -> str:
+    """`card_apply` for the bridge: the counter its outcome adds to (`cards:<outcome>`,
+    `profile_cards_rejected:<reason>`). A card is one agent's: one that cannot be stored
+    takes nothing else with it, and never stops the bridge. The database being away
+    (OperationalError, InterfaceError) is raised: the bridge waits and tries the card
+    again."""
+    try:
+        return f"cards:{card_apply(frame, now=now)}"
+    except CardRefused as exc:
+        _log_refusal(exc.reason, frame.topic, str(exc))
+        return f"profile_cards_rejected:{exc.reason}"
+    except (OperationalError, InterfaceError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - one agent's card, whatever it breaks
+        # What the checks let through and the database would not hold (its transaction
+        # rolled back whole): refused like any bad card, with the error in the log.
+        _log_refusal("unstorable", frame.topic, f"{type(exc).__name__}: {str(exc)[:200]}")
+        return "profile_cards_rejected:unstorable"
+
+
 def cards_apply(frames: list[CardFrame], *, now: datetime | None = None) -> Counter:
-    """Each frame in turn (a card is one agent's: one refused takes nothing else with it);
-    returns the counts the bridge adds to its own (`cards:<outcome>`,
-    `profile_cards_rejected:<reason>`)."""
-    counts: Counter = Counter()
-    for frame in frames:
-        try:
-            counts[f"cards:{card_apply(frame, now=now)}"] += 1
-        except CardRefused as exc:
-            counts[f"profile_cards_rejected:{exc.reason}"] += 1
-            _log_refusal(exc.reason, frame.topic, str(exc))
-        except (DataError, IntegrityError) as exc:
-            # What the checks above let through and the database would not hold: refused
-            # like any bad card (its transaction rolled back whole), never the batch's end.
-            counts["profile_cards_rejected:unstorable"] += 1
-            _log_refusal("unstorable", frame.topic, str(exc).strip()[:200])
-    return counts
+    """Each frame in turn (`card_counted`); the counts."""
+    return Counter(card_counted(frame, now=now) for frame in frames)

@@ -38,6 +38,7 @@ from roster.models import (
     Agent,
     ClusterNode,
     Consistency,
+    Dialect,
     Reconciliation,
 )
 
@@ -99,7 +100,7 @@ def _listed(doc: object) -> dict[str, dict]:
         if status is not None and not isinstance(status, str):
             raise Nonsense(f"entry {index} ({node_id}) has a status that is not text")
         listed[node_id] = entry
-    if not listed and Agent.objects.exists():
+    if not listed and Agent.objects.filter(dialect=Dialect.NATIVE).exists():
         # One bad deploy of the authority must not take every agent out of routing.
         raise Nonsense("an empty node set while the roster holds agents")
     return listed

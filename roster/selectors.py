@@ -40,13 +40,13 @@ class AgentFilter:
 
 def _stale_q(now: datetime) -> Q:
     # Mirrors Agent.is_stale() so the filter and the badge always agree.
-    on_stale_node = Q(node__consistency=Consistency.STALE)
+    # A profile agent is never stale: its presence is its card's (roster/profile.py).
+    on_stale_node = Q(node__consistency=Consistency.STALE, dialect=Dialect.NATIVE)
     cutoff = stale_cutoff(bus_hearing(now=now))
     if cutoff is None:
         # The console has not heard the bus long enough to judge heartbeats; what
         # reconciliation found of a node does not depend on that.
         return ~Q(status=Agent.Status.OFFLINE) & on_stale_node
-    # A profile agent has no heartbeat: its presence is its card's (roster/profile.py).
     return ~Q(status=Agent.Status.OFFLINE) & (
         on_stale_node
         | Q(dialect=Dialect.NATIVE) & (
@@ -151,7 +151,7 @@ def node_problems(*, now: datetime | None = None, per_node: int = 10
             .filter(place__lte=per_node)
             .select_related("node")
             .only("agent_id", "status", "node_id", "last_heartbeat_at", "registered_at",
-                  "node__consistency")
+                  "dialect", "node__consistency")
             .order_by("node_id", "agent_id"))
     for agent in rows:
         first.setdefault(agent.node_id, []).append(agent)

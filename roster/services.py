@@ -49,6 +49,7 @@ from roster.models import (
     Agent,
     ClusterNode,
     Consistency,
+    Dialect,
     LeaseDeadline,
     Namespace,
     lapse_cutoff,
@@ -109,7 +110,9 @@ def _lease_ttl() -> timedelta:
 
 def _deadlines_set(agents: list[Agent]) -> None:
     """The sweep's deadline of each agent, set to its lease's end. Called under the agents'
-    row locks, after their lease was written, for a registration and a revival."""
+    row locks, after their lease was written, for a registration and a revival. An agent of
+    the A2A-over-MQTT profile has no lease (roster/profile.py) and gets no deadline."""
+    agents = [a for a in agents if a.dialect == Dialect.NATIVE]
     if agents:
         LeaseDeadline.objects.bulk_create(
             [LeaseDeadline(agent_id=agent.pk, expires_at=agent.lease_expires_at)
@@ -128,7 +131,7 @@ def lease_deadlines_repair() -> int:
         missing = list(
             Agent.objects.select_for_update(skip_locked=True, of=("self",))
             .filter(status__in=[Agent.Status.ONLINE, Agent.Status.DRAINING],
-                    lease_deadline__isnull=True)
+                    lease_deadline__isnull=True, dialect=Dialect.NATIVE)
             .order_by().values_list("pk", "lease_expires_at"))
         LeaseDeadline.objects.bulk_create(
             [LeaseDeadline(agent_id=pk, expires_at=at) for pk, at in missing], batch_size=5000)
@@ -179,6 +182,8 @@ def agent_register(
     """
     ref = agent_id_parse(agent_id)
     node_id = node_id_check(node_id)
+    if node_id == PROFILE_NODE_ID:
+        raise InvalidField(errors.PROFILE_NODE_REGISTER.format(node_id=node_id))
     caps = _labels_check(capabilities, field="capabilities")
     grps = _labels_check(groups, field="groups", prefix="#")
     meta = _metadata_check(metadata)
@@ -457,10 +462,12 @@ def node_drain(*, node_id: str, actor: str, now: datetime | None = None) -> list
             raise NodeNotFound(errors.NODE_NOT_FOUND.format(node_id=node_id))
         if node_id == settings.REACH_NODE_ID:
             raise ConsoleAgent(errors.CONSOLE_NODE_DRAIN.format(node_id=node_id))
+        if node_id == PROFILE_NODE_ID:
+            raise ConsoleAgent(errors.PROFILE_NODE.format(node_id=node_id, action="drained"))
         # Locked in agent id order, like every multi-agent lock (the roster's lock order).
         rows = list(Agent.objects.select_for_update().filter(node=node)
                     .exclude(status=Agent.Status.DRAINING).order_by("agent_id")
-                    .only("pk", "agent_id", "status", "lease_expires_at"))
+                    .only("pk", "agent_id", "status", "lease_expires_at", "dialect"))
         Agent.objects.filter(pk__in=[agent.pk for agent in rows]).update(
             status=Agent.Status.DRAINING, drained_at=now, updated_at=now)
         # The OFFLINE ones are live again: the sweep removes them once their leases lapsed.
@@ -585,7 +592,7 @@ WITH due AS (
     SELECT a.id, a.status IN ('ONLINE', 'DRAINING') AS live,
            a.lease_expires_at < %(now)s AS lapsed, a.status, a.lease_expires_at
     FROM roster_agent a
-    WHERE a.id = ANY (ARRAY(SELECT agent_id FROM due))
+    WHERE a.id = ANY (ARRAY(SELECT agent_id FROM due)) AND a.dialect = 'native'
     FOR UPDATE SKIP LOCKED
 ), went_offline AS (
     UPDATE roster_agent a SET status = 'OFFLINE', expired_at = %(now)s, inflight = 0,
@@ -637,7 +644,7 @@ def _expire_batch(*, now: datetime, batch: int) -> tuple[int, int, int, int]:
     seen = []
     for chunk in _chunks(due):  # SQLite's bound-parameter limit
         seen += (Agent.objects.select_for_update(skip_locked=True, of=("self",))
-                 .filter(pk__in=chunk)
+                 .filter(pk__in=chunk, dialect=Dialect.NATIVE)
                  .values_list("id", "agent_id", "status", "lease_expires_at", "node__node_id"))
     live = {Agent.Status.ONLINE, Agent.Status.DRAINING}
     lapsed = [row for row in seen if row[2] in live and row[3] < now]
@@ -769,6 +776,8 @@ def node_retire(*, node_id: str, retired: bool = True, actor: str = "") -> Clust
     change."""
     verdict = ((Consistency.STALE, f"node {node_id} is retired") if retired else
                (Consistency.UNKNOWN, f"node {node_id} was put back in service; not judged yet"))
+    if node_id == PROFILE_NODE_ID:
+        raise ConsoleAgent(errors.PROFILE_NODE.format(node_id=node_id, action="retired"))
     with transaction.atomic():
         if not ClusterNode.objects.filter(node_id=node_id).update(
                 retired=retired, consistency=verdict[0], consistency_reason=verdict[1][:300]):

@@ -46,12 +46,13 @@ def broker():
 class Client:
     """One MQTT 5 client signed in as `user` (None: anonymous), keeping what it receives."""
 
-    def __init__(self, broker: Broker, user: str | None, password: str | None = None):
+    def __init__(self, broker: Broker, user: str | None, password: str | None = None,
+                 client_id: str = ""):
         self.got: queue.Queue = queue.Queue()
         self.connack: queue.Queue = queue.Queue()
         self.suback: queue.Queue = queue.Queue()
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
-                                  client_id=f"acl-{user}-{uuid.uuid4().hex[:6]}",
+                                  client_id=client_id or f"acl-{user}-{uuid.uuid4().hex[:6]}",
                                   protocol=mqtt.MQTTv5)
         if user:
             self.client.username_pw_set(user, password or broker.passwords[user])
@@ -154,23 +155,33 @@ def test_a_node_cannot_read_the_brokers_counters_and_the_console_can(broker):
         node_a.close()
 
 
-def test_the_console_reads_the_a2a_profiles_cards_and_a_node_does_not(broker):
+def test_a2a_profile_agents_write_their_own_card_and_the_console_reads_them(broker):
     console = Client(broker, "console")
     node_a = Client(broker, "node-a")
-    topic = f"$a2a/v1/discovery/acl{uuid.uuid4().hex[:6]}/ops/echo"
+    agent_id = f"acl{uuid.uuid4().hex[:6]}/ops/echo"
+    # The profile's agent: its client id is its agent id (its account here is node-b's).
+    agent = Client(broker, "node-b", client_id=agent_id)
     try:
         # `#` alone would not grant it: topics that begin with `$` need a line of their own.
         assert not any(rc.is_failure for rc in console.subscribe("$a2a/v1/discovery/+/+/+"))
         node_a.subscribe("$a2a/v1/discovery/+/+/+", f"{PREFIX}/node/node-a/inbox")
-        console.publish(topic, b"{}")
-        assert console.received_until(b"{}") == [(topic, b"{}")]
-        # The node's subscription is granted, but Mosquitto delivers only what it may read:
-        # the marker that follows the card on its own inbox comes alone.
+        agent.publish(f"$a2a/v1/discovery/{agent_id}/x", b"not its card")
+        agent.publish(f"$a2a/v1/discovery/{agent_id}", b"{}")
+        # Its own card arrives; a topic beside it was not its to write.
+        assert console.received_until(b"{}") == [(f"$a2a/v1/discovery/{agent_id}", b"{}")]
+        # The console reads only: a card it publishes goes nowhere. The node's subscription is
+        # granted, but Mosquitto delivers only what it may read: the marker that follows on
+        # its own inbox comes alone (to the console too, which reads every inbox).
+        console.subscribe(f"{PREFIX}/node/node-a/inbox")
+        console.publish(f"$a2a/v1/discovery/{agent_id}", b"the console's")
         console.publish(f"{PREFIX}/node/node-a/inbox", b"marker")
-        assert node_a.received_until(b"marker") == [(f"{PREFIX}/node/node-a/inbox", b"marker")]
+        inbox = (f"{PREFIX}/node/node-a/inbox", b"marker")
+        assert node_a.received_until(b"marker") == [inbox]
+        assert console.received_until(b"marker") == [inbox]
     finally:
         console.close()
         node_a.close()
+        agent.close()
 
 
 @pytest.mark.django_db(transaction=True)

@@ -11,7 +11,9 @@ from datetime import timedelta
 
 import pytest
 
+from directory.coverage import capability_coverage
 from directory.resolver import candidate_for, resolve
+from roster.errors import ConsoleAgent, InvalidField
 from roster.models import Agent, ClusterNode, Namespace, RosterEvent
 from roster.profile import (
     DIALECT,
@@ -21,7 +23,14 @@ from roster.profile import (
     card_apply,
     cards_apply,
 )
-from roster.services import leases_expire, nodes_sweep
+from roster.services import (
+    agent_drain,
+    lease_deadlines_repair,
+    leases_expire,
+    node_drain,
+    node_retire,
+    nodes_sweep,
+)
 from tests.conftest import bus_heard, register
 
 pytestmark = pytest.mark.django_db
@@ -43,9 +52,9 @@ def card(**changes) -> dict:
 
 
 def frame(body=None, *, topic: str = TOPIC, status: str = "online", source: str = "agent",
-          raw: bytes | None = None) -> CardFrame:
+          raw: bytes | None = None, heard_at=None) -> CardFrame:
     payload = raw if raw is not None else json.dumps(body or card()).encode()
-    return CardFrame(topic, payload, status, source)
+    return CardFrame(topic, payload, status, source, heard_at)
 
 
 def history(agent_id: str = "acme/ops/echo") -> list[tuple[str, str]]:
@@ -129,6 +138,7 @@ def test_an_empty_retained_card_removes_the_agent(now):
     (json.dumps(card(skills=[{"name": "no id"}])).encode(), "bad_card", "skill 0 has no id"),
     (json.dumps(card(description="x" * 70_000)).encode(), "too_large",
      "the console takes cards of at most 65,536"),
+    (b"[" * 5000 + b"]" * 5000, "bad_json", "nests deeper than a JSON reader goes"),
 ])
 def test_a_card_that_cannot_be_read_is_refused_whole_with_a_reason(now, raw, reason, words):
     with pytest.raises(CardRefused) as refused:
@@ -155,6 +165,7 @@ def test_a_refusal_about_a_known_agent_is_kept_on_it_until_a_good_card(now):
     ("$a2a/v1/discovery/acme/ops", "is not a discovery topic"),
     ("$a2a/v1/discovery/acme/ops/echo/extra", "is not a discovery topic"),
     ("$a2a/v1/discovery/ac me/ops/echo", "the org id 'ac me' is not of the profile's"),
+    ("$a2a/v1/discovery/acme/../echo", "the unit id '..' is not of the profile's"),
 ])
 def test_a_topic_outside_the_profile_is_refused(now, topic, words):
     with pytest.raises(CardRefused) as refused:
@@ -162,22 +173,56 @@ def test_a_topic_outside_the_profile_is_refused(now, topic, words):
     assert words in str(refused.value)
 
 
-def test_a_native_agents_id_is_not_taken_over_by_a_card(now):
-    card_apply(frame(), now=now)
-    Agent.objects.filter(agent_id="acme/ops/echo").update(dialect="native")
-    with pytest.raises(CardRefused, match="is a native agent's id"):
-        card_apply(frame(card(version="9")), now=now)
-
-
 def test_profile_agents_are_left_alone_by_the_lease_sweep_and_the_node_sweep(now):
     register("fin.tax", "node-a", now=now - timedelta(hours=1))
     card_apply(frame(), now=now - timedelta(hours=1))
+    card_apply(frame(topic="$a2a/v1/discovery/acme/ops/gone", status="offline", source="lwt"),
+               now=now - timedelta(hours=1))
     bus_heard(since=now - timedelta(hours=2), until=now)
+    # The repair gives a deadline to every live agent without one: not to these.
+    lease_deadlines_repair()
+    # An operator drains both: a drained native agent whose lease lapsed is removed by the
+    # sweep; a profile agent has no lease to lapse.
+    agent_drain(agent_id="acme/ops/echo")
+    agent_drain(agent_id="acme/ops/gone")
     leases_expire(now=now)
     nodes_sweep(now=now)
     assert Agent.objects.get(agent_id="fin.tax").status == Agent.Status.OFFLINE
-    assert Agent.objects.get(agent_id="acme/ops/echo").status == Agent.Status.ONLINE
+    assert Agent.objects.get(agent_id="acme/ops/echo").status == Agent.Status.DRAINING
+    assert Agent.objects.get(agent_id="acme/ops/gone").status == Agent.Status.DRAINING
+    assert not RosterEvent.objects.filter(agent_id__startswith="acme/",
+                                          kind__in=["EXPIRED", "REMOVED"]).exists()
     assert ClusterNode.objects.get(node_id=PROFILE_NODE_ID).status == ClusterNode.Status.ONLINE
+
+
+def test_the_profiles_node_is_no_cluster_node(now):
+    card_apply(frame(), now=now)
+    with pytest.raises(ConsoleAgent, match="stands for the A2A-over-MQTT profile's agents"):
+        node_drain(node_id=PROFILE_NODE_ID, actor="olga")
+    with pytest.raises(ConsoleAgent, match="is not retired"):
+        node_retire(node_id=PROFILE_NODE_ID, actor="olga")
+    with pytest.raises(InvalidField, match="a node of the cluster registers under a name"):
+        register("fin.tax", PROFILE_NODE_ID)
+    # Its skills are no capability left uncovered: no native send reaches them anyway.
+    assert [c.capability for c in capability_coverage(now=now)] == []
+
+
+def test_a_card_heard_before_the_one_applied_changes_nothing(now):
+    early, late = now, now + timedelta(seconds=2)
+    # Bridge A applies the agent's Last Will; bridge B, lagging, then its earlier card.
+    assert card_apply(frame(status="offline", source="lwt", heard_at=late),
+                      now=late) == "registered"
+    assert card_apply(frame(card(version="0.9"), heard_at=early), now=late) == "stale"
+    agent = Agent.objects.get(agent_id="acme/ops/echo")
+    assert (agent.status, agent.version) == (Agent.Status.OFFLINE, "1.0.0")
+    # A removal heard after a card: the lagging bridge's card does not bring it back.
+    assert card_apply(frame(raw=b"", heard_at=late + timedelta(seconds=1)),
+                      now=late) == "removed"
+    assert card_apply(frame(heard_at=late), now=late + timedelta(seconds=5)) == "stale"
+    assert not Agent.objects.filter(agent_id="acme/ops/echo").exists()
+    # The agent back later: a card heard after the removal registers it again.
+    assert card_apply(frame(heard_at=late + timedelta(seconds=9)),
+                      now=late + timedelta(seconds=9)) == "registered"
 
 
 def test_the_directory_does_not_route_native_work_to_a_profile_agent(now):

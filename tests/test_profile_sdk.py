@@ -37,8 +37,12 @@ def v5(broker):
 
 
 @pytest.fixture
-def profile_bridge(v5, mqtt_settings):
+def profile_bridge(v5, mqtt_settings, request):
     mqtt_settings.REACH_A2A_PROFILE = True
+    # A root of the test's own where no SDK agent is needed: the counts are then its own.
+    root = getattr(request, "param", "")
+    if root:
+        mqtt_settings.REACH_A2A_ROOT = root
     instance = Bridge(url=v5.url, node_id="console", prefix=mqtt_settings.MQTT_TOPIC_PREFIX,
                       instance=uuid.uuid4().hex[:8], protocol_version="5", heartbeat_ms=200,
                       a2a_profile=True)
@@ -145,19 +149,30 @@ def rejected(bridge, reason: str) -> int:
     return bridge.counts[key] + counters_snapshot().get(key, 0)
 
 
+PRIVATE_ROOT = f"$rc{uuid.uuid4().hex[:8]}/v1"
+
+
+@pytest.mark.parametrize("profile_bridge", [PRIVATE_ROOT], indirect=True)
 def test_malformed_cards_from_bare_frames_are_refused_and_counted(v5, profile_bridge, org):
     def publish(agent: str, payload: str, *props: str) -> None:
         args = ["mosquitto_pub", "-V", "mqttv5", "-h", v5.host, "-p", str(v5.port), "-q", "1",
-                "-r", "-t", f"$a2a/v1/discovery/{org}/ops/{agent}", "-m", payload]
+                "-r", "-t", f"{PRIVATE_ROOT}/discovery/{org}/ops/{agent}", "-m", payload]
         for prop in props:
             args += ["-D", "PUBLISH", "user-property", *prop.split("=")]
         subprocess.run(args, check=True, timeout=10)
 
     before = {r: rejected(profile_bridge, r) for r in ("bad_json", "missing_fields")}
-    publish("broken", "{not json", "a2a-status=online")
-    publish("bare", '{"name": "only a name"}')
-    eventually(lambda: rejected(profile_bridge, "bad_json") > before["bad_json"]
-               and rejected(profile_bridge, "missing_fields") > before["missing_fields"],
-               what="both refusals counted")
-    assert not Agent.objects.filter(namespace__name=org).exists()
-    assert not Agent.objects.filter(agent_id__startswith=f"{org}/").exists()
+    try:
+        publish("broken", "{not json", "a2a-status=online")
+        publish("bare", '{"name": "only a name"}')
+        # Only this test publishes under its root: each refusal is one of these two.
+        eventually(lambda: rejected(profile_bridge, "bad_json") == before["bad_json"] + 1
+                   and rejected(profile_bridge, "missing_fields")
+                   == before["missing_fields"] + 1, what="both refusals counted")
+        assert not Agent.objects.filter(namespace__name=org).exists()
+        assert not Agent.objects.filter(agent_id__startswith=f"{org}/").exists()
+    finally:
+        for agent in ("broken", "bare"):
+            subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-h", v5.host, "-p", str(v5.port),
+                            "-t", f"{PRIVATE_ROOT}/discovery/{org}/ops/{agent}", "-r", "-n"],
+                           check=False, timeout=10)
