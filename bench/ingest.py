@@ -79,7 +79,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=10.0, help="paced mode length, s")
     ap.add_argument("--mode", choices=("burst", "paced", "all"), default=None,
                     help="default: all, or paced when --rate is given")
-    ap.add_argument("--only", choices=("console", "baseline", "worker", *LEDGER_SIDES),
+    ap.add_argument("--a2a-profile", action="store_true",
+                    help="run the stock worker with and without the A2A-over-MQTT profile's "
+                         "discovery subscription (REACH_A2A_PROFILE=1 / 0), sides 'worker' "
+                         "and 'worker-native', no profile agent on the bus: what hearing "
+                         "the second dialect costs a console that has none (goal >= 0.98)")
+    ap.add_argument("--only", choices=("console", "baseline", "worker", "worker-native",
+                                       *LEDGER_SIDES),
                     default=None, help="run one side only")
     ap.add_argument("--worker", action="store_true",
                     help="also run the console as the stock Celery worker in a process of "
@@ -314,10 +320,11 @@ class WorkerSide:
 
     table = TABLE_CONSOLE
 
-    def __init__(self, prefix: str, tag: str):
+    def __init__(self, prefix: str, tag: str, a2a_profile: bool = True):
         from messages.client_ids import client_id_for
 
         self.prefix, self.tag = prefix, tag
+        self.a2a_profile = a2a_profile
         self.client_ids = [client_id_for("bench-console", tag, tag)]
         self.proc: subprocess.Popen | None = None
         self.log = common.RESULTS / f"worker-{tag}.log"
@@ -333,7 +340,8 @@ class WorkerSide:
                # Its client id, cache keys and channel-layer prefix: this run's own, and
                # swept from Redis with the rest of the run's keys.
                "REACH_CONSOLE_ID": self.tag, "REACH_CHANNEL_PREFIX": self.tag,
-               "REACH_MONITOR": "1", "REACH_LOG_LEVEL": "WARNING"}
+               "REACH_MONITOR": "1", "REACH_LOG_LEVEL": "WARNING",
+               "REACH_A2A_PROFILE": "1" if self.a2a_profile else "0"}
         celery = Path(sys.executable).with_name("celery")
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen([str(celery), "-A", "reachconsole", "worker",
@@ -574,12 +582,13 @@ def run_once(side_name: str, mode: str, args: argparse.Namespace, conn: psycopg.
              prefix: str, tag: str) -> RunResult:
     n = args.messages if mode == "burst" else int(args.rate * args.duration)
     rate = 0.0 if mode == "burst" else float(args.rate)
-    letter = {"console": "c", "baseline": "b", "worker": "w", "no-numbers": "n",
-              "bare": "x"}[side_name]
+    letter = {"console": "c", "baseline": "b", "worker": "w", "worker-native": "v",
+              "no-numbers": "n", "bare": "x"}[side_name]
     run = f"{tag}{letter}{mode[0]}"
     side = (BaselineSide(prefix, run, args.baseline_sql, args.baseline_extra)
-            if side_name == "baseline" else WorkerSide(prefix, run) if side_name == "worker"
-            else ConsoleSide(prefix, run, args.heartbeat_ms))
+            if side_name == "baseline"
+            else WorkerSide(prefix, run, a2a_profile=side_name == "worker")
+            if side_name.startswith("worker") else ConsoleSide(prefix, run, args.heartbeat_ms))
     table_truncate(conn, side.table)
     _ledger_keep(*LEDGER_SIDES.get(side_name, (True, True)))
     side.start()
@@ -740,6 +749,13 @@ def verdict(results: list[RunResult]) -> dict[str, Any]:
                    worker_cpu_us_per_row=worker_cpu, worker_lost=sum(r.lost for r in worker))
         out["worker_met"] = (worker_rate / base_rate >= GOAL_RATIO
                              and worker_cpu <= GOAL_WORKER_CPU_US and out["worker_lost"] == 0)
+    native_rate = _median([r.rows_per_s for r in pick("worker-native", "burst")])
+    if worker_rate and native_rate:
+        # The second dialect's subscription on a bus without its agents: the goal is that
+        # it costs nothing measurable (>= 0.98 of the same worker without it).
+        out.update(worker_native_rows_per_s=native_rate,
+                   profile_ratio=worker_rate / native_rate,
+                   profile_met=worker_rate / native_rate >= 0.98)
     unnumbered_rate = _median([r.rows_per_s for r in pick("no-numbers", "burst")])
     bare_rate = _median([r.rows_per_s for r in pick("bare", "burst")])
     if con_rate and unnumbered_rate:
@@ -795,6 +811,11 @@ def print_report(results: list[RunResult], goals: dict[str, Any]) -> None:
               f"{GOAL_RATIO:.0%}), {common.fmt(goals['worker_cpu_us_per_row'], 0)} us of CPU "
               f"per stored row, its whole process tree (goal <= {GOAL_WORKER_CPU_US:.0f}); "
               f"lost {goals['worker_lost']:,} -> {_met(goals['worker_met'])}")
+    if "profile_ratio" in goals:
+        print(f"  A2A-over-MQTT: the stock worker hearing the profile's cards "
+              f"{common.fmt(goals['worker_rows_per_s'], 0)} rows/s vs without "
+              f"{common.fmt(goals['worker_native_rows_per_s'], 0)} rows/s (medians) = "
+              f"{goals['profile_ratio']:.3f} (goal >= 0.98) -> {_met(goals['profile_met'])}")
     if "ledger_ratio" in goals:
         print(f"  numbers: console {common.fmt(goals['console_rows_per_s'], 0)} rows/s vs "
               f"without its per-bucket numbers "
@@ -858,6 +879,8 @@ def measure(args: argparse.Namespace, tag: str) -> int:
             sides = [args.only] if args.only else ["console", "baseline"]
             if args.worker and not args.only:
                 sides.append("worker")
+            if args.a2a_profile and not args.only:
+                sides = ["worker", "worker-native"]
             if args.ledger and not args.only:
                 sides += list(LEDGER_SIDES)
             # Alternate who goes first: the box's background load drifts over a minute.

@@ -54,6 +54,7 @@ from messages.outbox import (
     outbox_unsubscribe,
 )
 from messages.probes import Probe
+from messages.profile_traffic import ProfileFrame, profile_traffic_ingest
 from messages.puback import Puback, pubacks_apply
 from messages.rows import row_encode
 from reachconsole.core import identity
@@ -65,7 +66,6 @@ from roster.profile import (
     STATUS_PROPERTY,
     CardFrame,
     card_counted,
-    discovery_filter,
 )
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class Bridge:
         if a2a_profile and protocol_version != "5":
             log.warning("the A2A-over-MQTT profile needs MQTT 5; with MQTT_PROTOCOL=%s its "
                         "agents' cards are not heard", protocol_version)
-        profile_filters = (discovery_filter(),) if a2a_profile else ()
+        profile_root = settings.REACH_A2A_ROOT if a2a_profile else ""
         self.prefix = prefix
         self.max_queued = max_queued
         self.batch = batch
@@ -137,7 +137,7 @@ class Bridge:
             instance=instance, protocol_version=protocol_version, monitor=monitor,
             session_expiry_s=session_expiry_s, max_queued=max_queued, share_group=share_group,
             ingest=ingest, console_id=console_id, keepalive_s=keepalive_s,
-            reconnect_delay_s=reconnect_delay_s, profile_filters=profile_filters)
+            reconnect_delay_s=reconnect_delay_s, profile_root=profile_root)
         self.client_id = self.session.client_id
         self.url = self.session.url  # never the password: this one is logged
         # paho mid → (a2a_message pk, whether it is a task request, the request whose
@@ -310,12 +310,18 @@ class Bridge:
         # dropped. Every copy is still acknowledged after the commit.
         kept: dict[tuple[str, bytes], Incoming] = {}
         cards: list[CardFrame] = []
+        traffic: list[ProfileFrame] = []
+        discovery = f"{settings.REACH_A2A_ROOT}/discovery/"
         for r in received:
-            if r.topic[:1] == "$":  # the A2A-over-MQTT profile: its discovery tree
-                user = dict(r.user)
-                cards.append(CardFrame(r.topic, r.payload, user.get(STATUS_PROPERTY, ""),
-                                       user.get(SOURCE_PROPERTY, ""),
-                                       datetime.fromtimestamp(r.received_at, tz=UTC)))
+            if r.topic[:1] == "$":  # the A2A-over-MQTT profile
+                if r.topic.startswith(discovery):
+                    user = dict(r.user)
+                    cards.append(CardFrame(r.topic, r.payload, user.get(STATUS_PROPERTY, ""),
+                                           user.get(SOURCE_PROPERTY, ""),
+                                           datetime.fromtimestamp(r.received_at, tz=UTC)))
+                else:
+                    traffic.append(ProfileFrame(r.topic, r.payload, r.user, r.response_topic,
+                                                r.correlation, r.retain))
                 continue
             key = (r.topic, r.payload)
             if key not in kept or (kept[key].copy and not r.copy):
@@ -354,6 +360,10 @@ class Bridge:
             log.error("stopping with %d Agent Cards unapplied; the broker keeps them",
                       len(cards))
             return  # nothing acknowledged: the broker sends the batch again
+        if traffic and not self._traffic_apply(traffic):
+            log.error("stopping with %d A2A-over-MQTT messages unstored; the broker keeps "
+                      "them", len(traffic))
+            return
         self.counts.update(result.counts)
         self.counts[f"ingested:{self.client_id}"] += result.counts["stored"]
         self.session.ack(received)
@@ -382,6 +392,43 @@ class Bridge:
                                 "%.1f s", exc, delay)
                     time.sleep(delay)
         return True
+
+    def _traffic_apply(self, frames: list[ProfileFrame]) -> bool:
+        """The profile's observed traffic, one transaction (messages/profile_traffic.py),
+        waiting out an outage; a batch that fails otherwise goes again frame by frame, and
+        a frame that fails alone is logged, counted and dropped (it is an observation: a
+        frame that breaks the console must not stop its bridge). False when the bridge
+        stops first."""
+        attempt = 0
+        while True:
+            try:
+                connection_keep()
+                try:
+                    self.counts.update(profile_traffic_ingest(frames, now=timezone.now()))
+                except INFRA_DOWN:
+                    raise
+                except Exception:
+                    log.exception("a batch of %d A2A-over-MQTT messages failed; isolating "
+                                  "the bad ones", len(frames))
+                    for frame in frames:
+                        try:
+                            self.counts.update(profile_traffic_ingest([frame],
+                                                                      now=timezone.now()))
+                        except INFRA_DOWN:
+                            raise
+                        except Exception:
+                            log.exception("an A2A-over-MQTT message on %s could not be "
+                                          "stored; dropped", frame.topic[:200])
+                            self.counts["rejected:profile_unstorable"] += 1
+                return True
+            except INFRA_DOWN as exc:
+                if self._stop.is_set():
+                    return False
+                delay = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
+                attempt += 1
+                log.warning("database unavailable for A2A-over-MQTT traffic (%s); retrying in "
+                            "%.1f s", exc, delay)
+                time.sleep(delay)
 
     def _ingest_one_by_one(self, batch: list[Incoming]) -> IngestResult:
         total = IngestResult()

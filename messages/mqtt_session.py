@@ -62,10 +62,13 @@ class Received:
     generation: int  # the connection it came on: its mid means nothing on another
     received_at: float = 0.0  # time.time() when paho handed it over
     copy: bool = False  # came through the plain own-inbox subscription (plan.plain_inbox)
-    # The A2A-over-MQTT profile's messages only (roster/profile.py): the retain flag, and
-    # the user properties as (name, value) pairs.
+    # The A2A-over-MQTT profile's messages only (roster/profile.py,
+    # messages/profile_traffic.py): the retain flag, the user properties as (name, value)
+    # pairs, the MQTT 5 Response Topic and Correlation Data.
     retain: bool = False
     user: tuple[tuple[str, str], ...] = ()
+    response_topic: str = ""
+    correlation: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +149,7 @@ class MqttSession:
                  monitor: bool = True, session_expiry_s: int = 3600, max_queued: int = 10000,
                  share_group: str = "", ingest: str = "auto", console_id: str = "",
                  keepalive_s: int = 15, reconnect_delay_s: tuple[float, float] = (1, 30),
-                 profile_filters: tuple[str, ...] = ()):
+                 profile_root: str = ""):
         # TLS and credentials come with the URL and the settings (messages/mqtt_client.py).
         self.target = broker_target(url, protocol=protocol_version)
         self.url = self.target.display  # never the password: this one is logged
@@ -170,7 +173,7 @@ class MqttSession:
         self.plan = IngestPlan(prefix=prefix, node_id=node_id, monitor=monitor,
                                share_group=self.share_group, probe_topic=self.probe_topic,
                                setting=ingest, v5=self.v5, caps=self.caps,
-                               profile_filters=profile_filters)
+                               profile_root=profile_root)
         self.ingest_lock: IngestLock | None = None  # used in single mode only
         self._next_lock_try = 0.0
         self._outage_said = False  # single mode: the database-outage warning, once an outage
@@ -472,10 +475,13 @@ class MqttSession:
         if message.topic[:1] == "$":
             # The A2A-over-MQTT profile (the only `$` tree subscribed but $SYS): what it says
             # in user properties (a card's presence) and whether the broker kept it.
-            user = getattr(message.properties, "UserProperty", None) or ()
-            self.handoff.put(Received(message.topic, message.payload, message.mid,
-                                      message.qos, self.generation, time.time(),
-                                      retain=bool(message.retain), user=tuple(user)))
+            props = message.properties
+            user = getattr(props, "UserProperty", None) or ()
+            self.handoff.put(Received(
+                message.topic, message.payload, message.mid, message.qos, self.generation,
+                time.time(), retain=bool(message.retain), user=tuple(user),
+                response_topic=getattr(props, "ResponseTopic", None) or "",
+                correlation=getattr(props, "CorrelationData", None) or b""))
             return
         ids = getattr(message.properties, "SubscriptionIdentifier", None) or ()
         copy = PLAIN_INBOX_SID in ids and bool(self.plan.plain_inbox())

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from paho.mqtt.subscribeoptions import SubscribeOptions
+
 from messages import protocol
 
 BROKER_DROPPED_TOPIC = "$SYS/broker/publish/messages/dropped"
@@ -60,7 +62,7 @@ class IngestPlan:
 
     def __init__(self, *, prefix: str, node_id: str, monitor: bool, share_group: str,
                  probe_topic: str, setting: str, v5: bool, caps: dict[str, Any],
-                 profile_filters: tuple[str, ...] = ()):
+                 profile_root: str = ""):
         if setting not in INGEST_CHOICES:
             raise ValueError(f"ingest {setting!r}: use one of {', '.join(INGEST_CHOICES)}")
         self.prefix = prefix
@@ -71,8 +73,9 @@ class IngestPlan:
         self.setting = setting
         self.v5 = v5
         self.caps = caps
-        # The A2A-over-MQTT profile's discovery tree (roster/profile.py), MQTT 5 only.
-        self.profile_filters = profile_filters if v5 else ()
+        # The A2A-over-MQTT profile's tree (roster/profile.py, messages/profile_traffic.py),
+        # MQTT 5 only; "" when not heard.
+        self.profile_root = profile_root if v5 else ""
         self.mode = ""
         self.ingesting = False  # whether the inbound subscriptions are (to be) in place
         # Single mode: whether this connection has asked for the ingest lock yet. Until it
@@ -130,13 +133,31 @@ class IngestPlan:
         subs.append((beats, 0))  # every bridge hears every heartbeat: see above
         return subs
 
-    def profile_subscriptions(self) -> list[tuple[str, int]]:
-        """The profile's retained Agent Cards: plain, never shared (a broker hands retained
-        messages to plain subscriptions only), heard by every bridge that ingests, as the
-        heartbeats are; a card already on the roster writes nothing. Subscribed in a packet
-        of their own (MqttSession): a broker that refuses `$a2a/…` leaves the native dialect
-        heard."""
-        return [(f, 1) for f in self.profile_filters] if self.ingesting else []
+    def profile_discovery(self) -> str:
+        return f"{self.profile_root}/discovery/+/+/+" if self.profile_root else ""
+
+    def profile_traffic(self) -> list[str]:
+        """The profile's requests, replies and events, observed in monitor mode."""
+        if not (self.profile_root and self.monitor):
+            return []
+        return [f"{self.profile_root}/{tree}/#" for tree in ("request", "reply", "event")]
+
+    def profile_subscriptions(self) -> list[tuple[str, int | SubscribeOptions]]:
+        """The profile's retained Agent Cards and its traffic, plain, heard by every bridge
+        that ingests, as the heartbeats are. Cards: a broker hands retained messages to plain
+        subscriptions only, and a card already on the roster writes nothing. Traffic:
+        Mosquitto (2.0) delivers nothing through a shared filter of a `$` tree
+        (`$share/g/$a2a/…`, tried), so every bridge stores each message and the insert keeps
+        one (its message id is made of what identifies it), and only the bridge that
+        inserted a reply moves its request. Subscribed in a packet of their own
+        (MqttSession): a broker that refuses `$a2a/…` leaves the native dialect heard."""
+        if not (self.ingesting and self.profile_root):
+            return []
+        # Retain As Published: a request published retained (which the profile's rules flag)
+        # reaches a live subscriber with its retain flag, which it would otherwise lose.
+        return [(self.profile_discovery(), 1),
+                *((t, SubscribeOptions(qos=1, retainAsPublished=True))
+                  for t in self.profile_traffic())]
 
     def plain_inbox(self) -> str:
         """The own inbox's plain subscription beside the shared one (see above), or ""."""
@@ -162,8 +183,9 @@ class IngestPlan:
                 self.shared(wildcard), wildcard]
             return [t for t in plain if t not in (own, beats)] + [self.shared(beats)] + (
                 [own] if own and not self.plain_inbox() else []) + other
-        stale = [] if self.ingesting or not self.lock_asked else (
-            plain + list(self.profile_filters))
+        profile = ([self.profile_discovery(), *self.profile_traffic()]
+                   if self.profile_root else [])
+        stale = [] if self.ingesting or not self.lock_asked else plain + profile
         if self.monitor and self.own_inbox():
             stale.append(self.own_inbox())  # the plain own inbox of a shared-mode run
         if self.caps.get("shared_subscriptions"):

@@ -53,6 +53,8 @@ COUNTER_FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
               ("outcome",)),
     "profile_cards_rejected": ("reach_profile_cards_rejected", "A2A-over-MQTT Agent Cards "
                                "refused whole, by reason", ("reason",)),
+    "profile_violations": ("reach_profile_violations", "A2A-over-MQTT traffic that breaks the "
+                           "profile, by rule (flagged on its row too)", ("rule",)),
     "retries": ("reach_retries", "New attempts of a task (attempt 2 and later: no ACK in "
                 "time, a retryable NACK, or BUSY)", ()),
 }

@@ -292,6 +292,11 @@ if set(REACH_A2A_ROOT) & set("+#") or not REACH_A2A_ROOT.startswith("$"):
     # The bridges tell the profile's messages from the native dialect's by the `$`.
     raise ImproperlyConfigured(f"REACH_A2A_ROOT={REACH_A2A_ROOT!r}: a topic that begins with "
                                "`$` (the profile's is $a2a/v1), without wildcards")
+# The profile's requester timing, as the console follows observed traffic: a request with no
+# reply within the first-reply timeout ends EXPIRED; a stream silent for the idle timeout
+# after a reply too (the profile's defaults, 15 s and 30 s).
+REACH_A2A_FIRST_REPLY_MS = env_int("REACH_A2A_FIRST_REPLY_MS", 15000, minimum=100)
+REACH_A2A_STREAM_IDLE_MS = env_int("REACH_A2A_STREAM_IDLE_MS", 30000, minimum=100)
 # The largest Agent Card taken (EMQX's A2A registry refuses larger by default too).
 REACH_A2A_CARD_MAX_BYTES = env_int("REACH_A2A_CARD_MAX_BYTES", 65536, minimum=1024)
 MQTT_MAX_QUEUED = env_int("MQTT_MAX_QUEUED", 10000, minimum=10)

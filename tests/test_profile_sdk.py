@@ -9,6 +9,7 @@ in CI's real-services run, against Mosquitto."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -176,3 +177,118 @@ def test_malformed_cards_from_bare_frames_are_refused_and_counted(v5, profile_br
             subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-h", v5.host, "-p", str(v5.port),
                             "-t", f"{PRIVATE_ROOT}/discovery/{org}/ops/{agent}", "-r", "-n"],
                            check=False, timeout=10)
+
+
+def ask(broker, org: str, agent: str, *, text: str = "hello", task: str = "",
+        first_reply: float = 15.0) -> list[list[str]]:
+    """The SDK's Requester, as `{org}/ops/asker`: its replies, as it read them."""
+    task = task or str(uuid.uuid4())
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "profile_agent.py"), "--host", broker.host,
+         "--port", str(broker.port), "--org", org, "--unit", "ops", "--agent", "asker",
+         "--ask", agent, "--text", text, "--task", task, "--first-reply", str(first_reply)],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+
+
+def test_an_sdk_requesters_task_is_traced_to_completed_with_its_artifact(
+        v5, profile_bridge, org):
+    from messages.models import Message, Task
+
+    proc = agent_process(v5, org, "echo", "echo")
+    task = str(uuid.uuid4())
+    try:
+        replies = ask(v5, org, "echo", text="over the bus", task=task)
+        assert ["artifact", "echo: over the bus"] in replies  # the SDK's own reading
+        request = eventually(lambda: Message.objects.filter(
+            task_id=task, message_type="TASK_REQUEST", status="COMPLETED").first(),
+            what="the observed request COMPLETED")
+        assert request.direction == "OBSERVED" and request.to_agent_id == f"{org}/ops/echo"
+        assert request.from_agent_id == f"{org}/ops/asker"
+        headers = request.headers
+        assert headers["method"] == "SendMessage" and headers["jsonrpcId"] == "req-1"
+        assert headers["responseTopic"].startswith(f"$a2a/v1/reply/{org}/ops/asker/")
+        assert bytes.fromhex(headers["correlationData"]) == task[:16].encode()
+        assert "violations" not in headers
+        # Its replies, in the order they came: acknowledged, working, the artifact, done.
+        answers = list(Message.objects.filter(in_reply_to=request.message_id)
+                       .order_by("created_at", "id").values_list("message_type", "headers"))
+        assert [(kind, h["reply"]) for kind, h in answers] == [
+            ("ACK", "TASK_STATE_SUBMITTED"), ("ACK", "TASK_STATE_WORKING"),
+            ("EVENT", answers[2][1]["reply"]), ("TASK_RESPONSE", "TASK_STATE_COMPLETED")]
+        assert answers[2][1]["reply"].startswith("artifact ")
+        entry = Task.objects.get(task_id=task)
+        assert (entry.status, entry.direction) == ("COMPLETED", "OBSERVED")
+    finally:
+        stop_process(proc)
+
+
+def test_a_request_nobody_answers_is_retried_with_fresh_correlation_and_expires(
+        v5, profile_bridge, org, settings):
+    from messages.models import Message
+    from messages.sweeps import deliveries_sweep
+
+    settings.REACH_A2A_FIRST_REPLY_MS = 1000
+    task = str(uuid.uuid4())
+    assert ask(v5, org, "nobody", task=task, first_reply=1.0) == [["timeout", ""]]
+    attempts = eventually(lambda: list(Message.objects.filter(task_id=task).order_by("id"))
+                          if Message.objects.filter(task_id=task).count() == 3 else None,
+                          what="the three attempts stored")
+    # A fresh Correlation Data each attempt: three rows of one task.
+    assert len({a.headers["correlationData"] for a in attempts}) == 3
+    # The sweep judges silence over what the bridge's probes prove it heard: a moment on.
+    def ended() -> bool:
+        deliveries_sweep()
+        return all(m.status == "EXPIRED" for m in Message.objects.filter(task_id=task))
+
+    eventually(ended, what="every attempt EXPIRED")
+    assert {m.error for m in Message.objects.filter(task_id=task)} == {
+        "no answer seen on the bus within 1000 ms"}
+
+
+@pytest.mark.parametrize("profile_bridge", [PRIVATE_ROOT], indirect=True)
+def test_requests_that_break_the_profile_are_flagged_from_bare_frames(v5, profile_bridge, org):
+    from messages.models import Message
+
+    def publish(tree: str, path: str, body: dict, *options: str) -> None:
+        subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-h", v5.host, "-p", str(v5.port),
+                        "-q", "1", "-t", f"{PRIVATE_ROOT}/{tree}/{org}/ops/{path}",
+                        "-m", json.dumps(body), *options], check=True, timeout=10)
+
+    def send(task: str) -> dict:
+        return {"jsonrpc": "2.0", "id": task, "method": "SendMessage", "params": {
+            "message": {"messageId": task, "role": "ROLE_USER", "parts": [{"text": "x"}],
+                        "taskId": task}}}
+
+    reply = f"{PRIVATE_ROOT}/reply/{org}/ops/cli/s1"
+    publish("request", "echo", send("t-no-reply"))
+    publish("request", "echo", send("t-retained"), "-r", "-D", "PUBLISH", "response-topic",
+            reply, "-D", "PUBLISH", "correlation-data", "c-ret")
+    publish("request", "pool/sum", send("t-pool"), "-D", "PUBLISH", "response-topic", reply,
+            "-D", "PUBLISH", "correlation-data", "c-pool")
+    try:
+        rows = eventually(lambda: {m.task_id: m for m in Message.objects.filter(
+            task_id__in=["t-no-reply", "t-retained", "t-pool"])} if Message.objects.filter(
+            task_id__in=["t-no-reply", "t-retained", "t-pool"]).count() == 3 else None,
+            what="the three requests stored")
+        assert rows["t-no-reply"].headers["violations"] == ["no_response_topic",
+                                                            "no_correlation_data"]
+        assert rows["t-retained"].headers["violations"] == ["retained_request"]
+        assert rows["t-pool"].headers["pool"] == f"{org}/ops/pool/sum"
+        # The pool's member answers without naming itself.
+        subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-h", v5.host, "-p", str(v5.port),
+                        "-q", "1", "-t", reply, "-D", "PUBLISH", "correlation-data", "c-pool",
+                        "-m", json.dumps({"jsonrpc": "2.0", "id": "t-pool", "result": {
+                            "statusUpdate": {"taskId": "t-pool", "status": {
+                                "state": "TASK_STATE_COMPLETED"}}}})],
+                       check=True, timeout=10)
+        answer = eventually(lambda: Message.objects.filter(
+            in_reply_to=rows["t-pool"].message_id).first(), what="the pool's reply stored")
+        assert answer.headers["violations"] == ["pooled_reply_without_responder"]
+        rows["t-pool"].refresh_from_db()
+        assert rows["t-pool"].status == "COMPLETED"
+    finally:
+        subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-h", v5.host, "-p", str(v5.port),
+                        "-t", f"{PRIVATE_ROOT}/request/{org}/ops/echo", "-r", "-n"],
+                       check=False, timeout=10)
