@@ -125,7 +125,7 @@ class Bridge:
         if a2a_profile and protocol_version != "5":
             log.warning("the A2A-over-MQTT profile needs MQTT 5; with MQTT_PROTOCOL=%s its "
                         "agents' cards are not heard", protocol_version)
-        profile_root = settings.REACH_A2A_ROOT if a2a_profile else ""
+        profile_root = settings.REACH_A2A_ROOT
         self.prefix = prefix
         self.max_queued = max_queued
         self.batch = batch
@@ -137,7 +137,8 @@ class Bridge:
             instance=instance, protocol_version=protocol_version, monitor=monitor,
             session_expiry_s=session_expiry_s, max_queued=max_queued, share_group=share_group,
             ingest=ingest, console_id=console_id, keepalive_s=keepalive_s,
-            reconnect_delay_s=reconnect_delay_s, profile_root=profile_root)
+            reconnect_delay_s=reconnect_delay_s, profile_root=profile_root,
+            profile=a2a_profile)
         self.client_id = self.session.client_id
         self.url = self.session.url  # never the password: this one is logged
         # paho mid → (a2a_message pk, whether it is a task request, the request whose
@@ -150,6 +151,7 @@ class Bridge:
         self._last_hearing = 0.0
         self._last_probe = 0.0  # monotonic, when the owner last sent one
         self._last_db_warning = 0.0
+        self._last_profile_error = -60.0
         self._stop = threading.Event()
         self._owner: threading.Thread | None = None
         self._last_heartbeat = 0.0
@@ -314,14 +316,19 @@ class Bridge:
         discovery = f"{settings.REACH_A2A_ROOT}/discovery/"
         for r in received:
             if r.topic[:1] == "$":  # the A2A-over-MQTT profile
-                if r.topic.startswith(discovery):
+                if not self.session.plan.profile:
+                    # An earlier run's subscription, until its UNSUBSCRIBE is through.
+                    self.counts["profile_unsubscribed"] += 1
+                elif r.topic.startswith(discovery):
                     user = dict(r.user)
                     cards.append(CardFrame(r.topic, r.payload, user.get(STATUS_PROPERTY, ""),
                                            user.get(SOURCE_PROPERTY, ""),
                                            datetime.fromtimestamp(r.received_at, tz=UTC)))
-                else:
+                elif self.session.plan.profile_traffic():
                     traffic.append(ProfileFrame(r.topic, r.payload, r.user, r.response_topic,
                                                 r.correlation, r.retain))
+                else:
+                    self.counts["profile_unsubscribed"] += 1
                 continue
             key = (r.topic, r.payload)
             if key not in kept or (kept[key].copy and not r.copy):
@@ -408,8 +415,10 @@ class Bridge:
                 except INFRA_DOWN:
                     raise
                 except Exception:
-                    log.exception("a batch of %d A2A-over-MQTT messages failed; isolating "
-                                  "the bad ones", len(frames))
+                    # Anyone on the bus can send such frames: said once a minute, not once
+                    # a frame.
+                    self._say_once_a_minute("a batch of %d A2A-over-MQTT messages failed; "
+                                            "isolating the bad ones", len(frames))
                     for frame in frames:
                         try:
                             self.counts.update(profile_traffic_ingest([frame],
@@ -417,8 +426,9 @@ class Bridge:
                         except INFRA_DOWN:
                             raise
                         except Exception:
-                            log.exception("an A2A-over-MQTT message on %s could not be "
-                                          "stored; dropped", frame.topic[:200])
+                            self._say_once_a_minute("an A2A-over-MQTT message on %s could "
+                                                    "not be stored; dropped",
+                                                    frame.topic[:200])
                             self.counts["rejected:profile_unstorable"] += 1
                 return True
             except INFRA_DOWN as exc:
@@ -429,6 +439,13 @@ class Bridge:
                 log.warning("database unavailable for A2A-over-MQTT traffic (%s); retrying in "
                             "%.1f s", exc, delay)
                 time.sleep(delay)
+
+    def _say_once_a_minute(self, message: str, *args: object) -> None:
+        """log.exception for what the bus can cause at will, at most once a minute."""
+        now = time.monotonic()
+        if now - self._last_profile_error >= 60:
+            self._last_profile_error = now
+            log.exception(message, *args)
 
     def _ingest_one_by_one(self, batch: list[Incoming]) -> IngestResult:
         total = IngestResult()

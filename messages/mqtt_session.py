@@ -149,7 +149,7 @@ class MqttSession:
                  monitor: bool = True, session_expiry_s: int = 3600, max_queued: int = 10000,
                  share_group: str = "", ingest: str = "auto", console_id: str = "",
                  keepalive_s: int = 15, reconnect_delay_s: tuple[float, float] = (1, 30),
-                 profile_root: str = ""):
+                 profile_root: str = "", profile: bool = False):
         # TLS and credentials come with the URL and the settings (messages/mqtt_client.py).
         self.target = broker_target(url, protocol=protocol_version)
         self.url = self.target.display  # never the password: this one is logged
@@ -173,7 +173,7 @@ class MqttSession:
         self.plan = IngestPlan(prefix=prefix, node_id=node_id, monitor=monitor,
                                share_group=self.share_group, probe_topic=self.probe_topic,
                                setting=ingest, v5=self.v5, caps=self.caps,
-                               profile_root=profile_root)
+                               profile_root=profile_root, profile=profile)
         self.ingest_lock: IngestLock | None = None  # used in single mode only
         self._next_lock_try = 0.0
         self._outage_said = False  # single mode: the database-outage warning, once an outage

@@ -2,26 +2,33 @@
 its requests, replies and events on `$a2a/v1/{request,reply,event}/…` become rows and tasks
 like the native dialect's, and a live check of the profile's rules.
 
-- A request (`SendMessage`, `SendStreamingMessage`; `CancelTask` as a CANCEL) is an OBSERVED
-  row. Its message id is made of where its replies go and how they are told apart, the
-  Response Topic and the Correlation Data (`request_key`): each attempt of a requester has
-  its own, as the profile requires, so each is a row, and all of them one task (the
-  profile's `Task.id`, `params.message.taskId`). The JSON-RPC id, method, Response Topic
-  and Correlation Data are kept in its headers.
-- A reply is a row answering the request its topic and Correlation Data name: a status of
-  SUBMITTED, WORKING, INPUT_REQUIRED or AUTH_REQUIRED acknowledges it (ACKED; each later one
-  moves its deadline on by the stream's idle timeout), an artifact is recorded on its
-  trace, COMPLETED completes it, FAILED and REJECTED end it TASK_ERROR, CANCELED ends it
-  CANCELED, a JSON-RPC error ends it TASK_ERROR (BUSY for -32004
-  `responder_unavailable`, EXPIRED for -32003 `request_expired`).
+- A request (`SendMessage`, `SendStreamingMessage`; `CancelTask` as a CANCEL, any other
+  method an EVENT) is an OBSERVED row. Its message id is made of where its replies go and
+  how they are told apart, the Response Topic and the Correlation Data (`request_key`):
+  each attempt of a requester has its own, as the profile requires, so each is a row,
+  numbered, and all of them one task (the profile's `Task.id`). The JSON-RPC id, method,
+  Response Topic and Correlation Data are kept in its headers. Correlation Data used again
+  later on the same reply topic (the first request ended) gets a key of its own, made of
+  its task too, and the replies that name that task find it (`_targets`); used again while
+  the first is open, it is flagged.
+- A reply is a row answering the TASK_REQUEST its topic and Correlation Data name (in the
+  order heard; `headers.moves` says what it does, so a reply stored before its request,
+  by another bridge or in an earlier batch, still moves it once the request is stored):
+  SUBMITTED or WORKING acknowledge it (each later item moves its deadline on by the
+  stream's idle timeout), INPUT_REQUIRED or AUTH_REQUIRED, or a task answered whole while
+  WORKING, acknowledge it and end that request's stream (no deadline: the task goes on
+  with another request), an artifact is recorded on its trace, COMPLETED completes it,
+  FAILED and REJECTED end it TASK_ERROR, CANCELED ends it CANCELED, a JSON-RPC error
+  TASK_ERROR (BUSY for -32004 `responder_unavailable`, EXPIRED for -32003
+  `request_expired`).
 - Nothing by the first-reply timeout (REACH_A2A_FIRST_REPLY_MS, the profile's 15 s) ends a
   request EXPIRED, as the delivery sweep ends the native dialect's observed requests.
-- What breaks the profile is flagged on the row (`headers.violations`) and counted
-  (`reach_profile_violations_total{rule}`): a request without Response Topic or Correlation
-  Data, Correlation Data used again by another task, a retained request, a pooled reply
-  without `a2a-responder-agent-id`, a bearer token echoed back.
+- What breaks the profile is flagged on the row (`headers.violations`) and counted once
+  the row is stored (`reach_profile_violations_total{rule}`).
 
-A request's payload is not stored (REACH_STORE_OBSERVED_PAYLOADS), nor is any token: the
+A frame over REACH_MAX_MESSAGE_BYTES, not JSON, or of a shape the console cannot read is
+counted and skipped; what a row keeps of a frame is cut to a few hundred characters. A
+request's payload is not stored (REACH_STORE_OBSERVED_PAYLOADS), nor is any token: the
 `a2a-authorization` property is never kept.
 """
 
@@ -38,6 +45,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Count
 
 from messages.events import events_on_commit, message_events
 from messages.ledger import Ledger
@@ -77,27 +85,81 @@ def request_key(response_topic: str, correlation: bytes) -> str:
     return f"a2a-{digest[:40]}"
 
 
+@dataclass(frozen=True, slots=True)
+class Move:
+    """What a reply does to its request: kept in the reply's headers (`moves`), so that it
+    can be done later, when the request is stored after it."""
+    to: str
+    reason: str
+    error: str = ""
+    # ACKED only: "idle" (the stream goes on: its deadline moves on) or "none" (the stream
+    # for this request ended: no deadline).
+    deadline: str = ""
+
+    def as_header(self) -> dict[str, str]:
+        return {"to": self.to, "reason": self.reason, "error": self.error,
+                "deadline": self.deadline}
+
+
+def _changes(key: str, moves: list[Move], *, now: datetime) -> list[Change]:
+    heard = Heard(origin_node_id=PROFILE_NODE_ID, heard_on=PROFILE_NODE_ID,
+                  direction=Direction.OBSERVED)
+    idle = timedelta(milliseconds=settings.REACH_A2A_STREAM_IDLE_MS)
+    out = []
+    for move in moves:
+        if move.to == Status.ACKED:
+            fields = {"acked_at": now, "ack_deadline_at": None,
+                      "deadline_at": now + idle if move.deadline == "idle" else None}
+        else:
+            fields = {"error": move.error, "finished_at": now, "ack_deadline_at": None}
+            if move.to == Status.BUSY:
+                fields = {"error": move.error}
+        out.append(Change(to=move.to, reason=move.reason[:200], actor="bridge",
+                          message_id=key, fields=fields, heard=heard))
+    return out
+
+
 @dataclass
 class _Batch:
     now: datetime
     rows: list[ReceivedRow] = field(default_factory=list)
-    changes: dict[int, Change] = field(default_factory=dict)  # id(row) → what it moves
-    working: dict[int, str] = field(default_factory=dict)  # id(row) → the request it goes on
+    # id(reply row) → (the request key its topic and Correlation Data name, the task it
+    # names or "", what it does)
+    replies: dict[int, tuple[str, str, list[Move]]] = field(default_factory=dict)
     counts: Counter = field(default_factory=Counter)
 
 
-def _violation(batch: _Batch, headers: dict, rule: str, topic: str) -> None:
+def _violation(headers: dict, rule: str) -> None:
     """Flag it on its row; counted once the row is stored (every bridge hears every frame,
     one stores it)."""
     headers.setdefault("violations", []).append(rule)
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def _read(payload: bytes) -> dict | None:
     try:
-        doc = json.loads(payload)
+        doc = json.loads(payload, parse_constant=_no_constant)
     except (ValueError, RecursionError):
         return None
     return doc if isinstance(doc, dict) else None
+
+
+def _dict(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _short(value: Any, limit: int = 200) -> str | int | None:
+    """A scalar kept as it is when short (a JSON-RPC id, a code), else cut or left out."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return value if abs(value) < 10 ** 18 else None
+    if isinstance(value, str):
+        return value[:limit]
+    return None
 
 
 def _row(batch: _Batch, *, message_id: str, message_type: str, topic: str, headers: dict,
@@ -123,31 +185,27 @@ def _agent_of(topic: str, tree: str) -> str:
     return "/".join(rest[:3]) if len(rest) >= 3 else ""
 
 
-def _request(batch: _Batch, frame: ProfileFrame) -> None:
-    doc = _read(frame.payload)
+def _request(batch: _Batch, frame: ProfileFrame, doc: dict) -> None:
     user = dict(frame.user)
-    headers: dict[str, Any] = {"dialect": DIALECT}
-    method = doc.get("method") if doc else None
-    params = doc.get("params") if doc and isinstance(doc.get("params"), dict) else {}
-    message = params.get("message") if isinstance(params.get("message"), dict) else {}
-    task_id = message.get("taskId") or params.get("id") or ""
-    headers.update(method=str(method)[:60] if method else None,
-                   jsonrpcId=doc.get("id") if doc else None,
-                   responseTopic=frame.response_topic[:300] or None,
-                   correlationData=frame.correlation.hex()[:200] or None,
-                   timeoutMs=settings.REACH_A2A_FIRST_REPLY_MS)
+    method = _short(doc.get("method"), 60)
+    params = _dict(doc.get("params"))
+    message = _dict(params.get("message"))
+    task_id = _short(message.get("taskId") or params.get("id")) or ""
+    headers: dict[str, Any] = {
+        "dialect": DIALECT, "method": method, "jsonrpcId": _short(doc.get("id")),
+        "responseTopic": frame.response_topic[:300] or None,
+        "correlationData": frame.correlation.hex()[:200] or None,
+        "timeoutMs": settings.REACH_A2A_FIRST_REPLY_MS,
+        "idleMs": settings.REACH_A2A_STREAM_IDLE_MS}
     to_agent = _agent_of(frame.topic, "request")
-    if "/pool/" in frame.topic:
+    if "/pool/" in to_agent:
         headers["pool"] = to_agent
-    if doc is None:
-        batch.counts["rejected:profile_not_json"] += 1
-        return
     if not frame.response_topic:
-        _violation(batch, headers, "no_response_topic", frame.topic)
+        _violation(headers, "no_response_topic")
     if not frame.correlation:
-        _violation(batch, headers, "no_correlation_data", frame.topic)
+        _violation(headers, "no_correlation_data")
     if frame.retain:
-        _violation(batch, headers, "retained_request", frame.topic)
+        _violation(headers, "retained_request")
     if AUTH_PROPERTY in user:
         headers["bearer"] = True  # that it carried one, never the token
     # The requester's id, when it follows the profile's reply topics.
@@ -155,115 +213,107 @@ def _request(batch: _Batch, frame: ProfileFrame) -> None:
     requester = ("/".join(frame.response_topic[len(reply_prefix):].split("/")[:3])
                  if frame.response_topic.startswith(reply_prefix) else "")
     kind = REQUEST_METHODS.get(str(method), MT.EVENT)
-    key = (request_key(frame.response_topic, frame.correlation)
-           if frame.response_topic and frame.correlation
+    replyable = bool(frame.response_topic and frame.correlation)
+    key = (request_key(frame.response_topic, frame.correlation) if replyable
            else f"a2a-{hashlib.sha256(frame.topic.encode() + frame.payload).hexdigest()[:40]}")
     deadline = None
-    if kind == MT.TASK_REQUEST and frame.response_topic and frame.correlation:
+    if kind == MT.TASK_REQUEST and replyable:
         deadline = batch.now + timedelta(milliseconds=settings.REACH_A2A_FIRST_REPLY_MS)
     batch.rows.append(_row(batch, message_id=key, message_type=kind, topic=frame.topic,
                            headers=headers, task_id=str(task_id), from_agent=requester,
-                           to_agent=to_agent, conversation=str(message.get("contextId") or ""),
+                           to_agent=to_agent,
+                           conversation=str(_short(message.get("contextId")) or ""),
                            deadline=deadline))
 
 
-def _reply(batch: _Batch, frame: ProfileFrame) -> None:
-    doc = _read(frame.payload)
+def _reply(batch: _Batch, frame: ProfileFrame, doc: dict) -> None:
     user = dict(frame.user)
-    if doc is None:
-        batch.counts["rejected:profile_not_json"] += 1
-        return
     key = request_key(frame.topic, frame.correlation)
-    headers: dict[str, Any] = {"dialect": DIALECT, "jsonrpcId": doc.get("id"),
+    headers: dict[str, Any] = {"dialect": DIALECT, "jsonrpcId": _short(doc.get("id")),
                                "correlationData": frame.correlation.hex()[:200] or None}
-    responder = user.get(RESPONDER_PROPERTY, "")
+    responder = str(user.get(RESPONDER_PROPERTY, ""))[:265]
     if responder:
-        headers["responder"] = responder[:265]
+        headers["responder"] = responder
     if AUTH_PROPERTY in user:
-        _violation(batch, headers, "token_echoed", frame.topic)
+        _violation(headers, "token_echoed")
     if not frame.correlation:
-        _violation(batch, headers, "no_correlation_data", frame.topic)
-    kind, change, words = _reply_meaning(doc, now=batch.now)
+        _violation(headers, "no_correlation_data")
+    kind, moves, words = _reply_meaning(doc)
     headers["reply"] = words
+    if moves:
+        headers["moves"] = [m.as_header() for m in moves]
+    task = _task_of(doc)
+    # Each frame heard is a row, but a frame heard again (QoS 1, another bridge) is one.
     reply_id = f"{key}-{hashlib.sha256(frame.payload).hexdigest()[:16]}"
     row = _row(batch, message_id=reply_id, message_type=kind, topic=frame.topic,
-               headers=headers, task_id=_task_of(doc), from_agent=responder,
-               in_reply_to=key)
+               headers=headers, task_id=task, from_agent=responder, in_reply_to=key)
     batch.rows.append(row)
-    if change is not None:
-        change.message_id = key
-        change.heard = Heard(origin_node_id=PROFILE_NODE_ID, heard_on=PROFILE_NODE_ID,
-                             direction=Direction.OBSERVED)
-        batch.changes[id(row)] = change
-    if kind == MT.ACK:
-        batch.working[id(row)] = key
+    batch.replies[id(row)] = (key, task, moves)
 
 
 def _task_of(doc: dict) -> str:
-    result = doc.get("result") if isinstance(doc.get("result"), dict) else {}
+    result = _dict(doc.get("result"))
     for part in ("statusUpdate", "artifactUpdate"):
         if isinstance(result.get(part), dict):
-            return str(result[part].get("taskId") or "")
+            return str(_short(result[part].get("taskId")) or "")
     if isinstance(result.get("task"), dict):
-        return str(result["task"].get("id") or "")
+        return str(_short(result["task"].get("id")) or "")
     return ""
 
 
-def _reply_meaning(doc: dict, *, now: datetime) -> tuple[str, Change | None, str]:
-    """(the row's type, the change it makes to its request or None, words for its trace)."""
+def _state(container: Any) -> str:
+    status = _dict(_dict(container).get("status"))
+    return str(_short(status.get("state"), 60) or "")
+
+
+def _reply_meaning(doc: dict) -> tuple[str, list[Move], str]:
+    """(the row's type, what it does to its request, words for its trace)."""
     error = doc.get("error")
     if isinstance(error, dict):
-        code, message = error.get("code"), str(error.get("message") or "")[:500]
-        data = error.get("data") if isinstance(error.get("data"), dict) else {}
-        kind = data.get("a2a_error")
+        code, message = _short(error.get("code"), 20), str(_short(error.get("message")) or "")
+        kind = _dict(error.get("data")).get("a2a_error")
         words = f"JSON-RPC error {code}: {message}"
         if code == -32004 and kind == "responder_unavailable":
-            return MT.BUSY, Change(to=Status.BUSY, reason="BUSY (-32004 responder_unavailable)",
-                                   actor="bridge", fields={"error": words}), words
+            return MT.BUSY, [Move(Status.BUSY, "BUSY (-32004 responder_unavailable)",
+                                  words)], words
         if code == -32003 and kind == "request_expired":
-            return MT.NACK, Change(to=Status.EXPIRED, reason="-32003 request_expired",
-                                   actor="bridge", allowed=frozenset({Status.OBSERVED,
-                                                                      Status.ACKED}),
-                                   fields={"error": words, "finished_at": now}), words
-        return MT.TASK_RESPONSE, Change(to=Status.TASK_ERROR, reason="JSON-RPC error",
-                                        actor="bridge",
-                                        fields={"error": words, "finished_at": now}), words
-    result = doc.get("result") if isinstance(doc.get("result"), dict) else {}
+            return MT.NACK, [Move(Status.EXPIRED, "-32003 request_expired", words)], words
+        return MT.TASK_RESPONSE, [Move(Status.TASK_ERROR, "JSON-RPC error", words)], words
+    result = _dict(doc.get("result"))
     if isinstance(result.get("artifactUpdate"), dict):
-        artifact = result["artifactUpdate"].get("artifact") or {}
-        return MT.EVENT, None, f"artifact {str(artifact.get('artifactId', ''))[:80]}"
-    state = ""
+        artifact = _dict(result["artifactUpdate"].get("artifact"))
+        return MT.EVENT, [], f"artifact {_short(artifact.get('artifactId'), 80) or ''}"
+    stream = "idle"
     if isinstance(result.get("statusUpdate"), dict):
-        status = result["statusUpdate"].get("status") or {}
-        state = str(status.get("state") or "") if isinstance(status, dict) else ""
+        state = _state(result["statusUpdate"])
     elif isinstance(result.get("task"), dict):
-        status = result["task"].get("status") or {}
-        state = str(status.get("state") or "") if isinstance(status, dict) else ""
+        state, stream = _state(result["task"]), "none"  # answered whole: nothing follows
     elif isinstance(result.get("message"), dict):
         state = "TASK_STATE_COMPLETED"  # a plain message answers the request whole
+    else:
+        state = ""
     if state in WORKING_STATES:
-        idle = timedelta(milliseconds=settings.REACH_A2A_STREAM_IDLE_MS)
-        return MT.ACK, Change(to=Status.ACKED, reason=state, actor="bridge",
-                              fields={"acked_at": now, "ack_deadline_at": None,
-                                      "deadline_at": now + idle}), state
+        # The profile ends a request's stream on these two: the task goes on elsewhere.
+        if state in ("TASK_STATE_INPUT_REQUIRED", "TASK_STATE_AUTH_REQUIRED"):
+            stream = "none"
+        return MT.ACK, [Move(Status.ACKED, state, deadline=stream)], state
     if state in FINAL_STATES:
         to = FINAL_STATES[state]
-        error = "" if to == Status.COMPLETED else f"the responder said {state}"
         if to == Status.CANCELED:
-            # From ACKED (a task is canceled once it was taken up): the state machine takes
-            # an observed request to CANCELED from there only.
-            return MT.TASK_RESPONSE, Change(
-                to=Status.CANCELED, reason=state, actor="bridge",
-                fields={"finished_at": now, "error": "canceled by the responder"}), state
-        return MT.TASK_RESPONSE, Change(to=to, reason=state, actor="bridge",
-                                        fields={"finished_at": now, "error": error,
-                                                "ack_deadline_at": None}), state
-    return MT.EVENT, None, state or "a reply the console cannot read"
+            # The state machine cancels what was taken up: a CANCELED that came first
+            # (the SDK replays it to a retry of a canceled task) acknowledges it first.
+            return MT.TASK_RESPONSE, [Move(Status.ACKED, state, deadline="none"),
+                                      Move(Status.CANCELED, state,
+                                           "canceled by the responder")], state
+        error = "" if to == Status.COMPLETED else f"the responder said {state}"
+        return MT.TASK_RESPONSE, [Move(to, state, error)], state
+    return MT.EVENT, [], state or "a reply the console cannot read"
 
 
 def _event(batch: _Batch, frame: ProfileFrame) -> None:
     headers = {"dialect": DIALECT}
     agent = _agent_of(frame.topic, "event")
+    # Kept once a distinct frame: the same event published twice on one topic is one row.
     digest = hashlib.sha256(frame.topic.encode() + frame.payload).hexdigest()[:40]
     batch.rows.append(_row(batch, message_id=f"a2a-e{digest}", message_type=MT.EVENT,
                            topic=frame.topic, headers=headers, from_agent=agent))
@@ -272,44 +322,70 @@ def _event(batch: _Batch, frame: ProfileFrame) -> None:
 _last_logged: dict[str, float] = {}
 
 
-def _log_once_a_minute(rule: str, topic: str) -> None:
+def _log_once_a_minute(what: str, message: str, *args: object) -> None:
     now = time.monotonic()
-    if now - _last_logged.get(rule, -120.0) >= 60.0:
-        _last_logged[rule] = now
-        log.warning("A2A-over-MQTT traffic breaks the profile (%s) on %s", rule, topic[:200])
+    if now - _last_logged.get(what, -120.0) >= 60.0:
+        _last_logged[what] = now
+        log.warning(message, *args)
 
 
 def profile_traffic_ingest(frames: list[ProfileFrame], *, now: datetime) -> Counter:
     """One transaction for the frames of one bridge batch: their rows stored once each,
-    then the changes of the replies this call stored, then tasks, numbers and events."""
+    then the changes of the replies this call stored (and of replies stored before their
+    request, now that it is), then tasks, numbers and events."""
     batch = _Batch(now=now)
     root = settings.REACH_A2A_ROOT
+    limit = settings.REACH_MAX_MESSAGE_BYTES
     for frame in frames:
+        if len(frame.payload) > limit:
+            batch.counts["rejected:profile_too_large"] += 1
+            _log_once_a_minute("too_large", "skipped an A2A-over-MQTT message of %d bytes on "
+                               "%s (REACH_MAX_MESSAGE_BYTES=%d)", len(frame.payload),
+                               frame.topic[:200], limit)
+            continue
+        doc = _read(frame.payload)
+        if doc is None:
+            batch.counts["rejected:profile_not_json"] += 1
+            _log_once_a_minute("not_json", "skipped an A2A-over-MQTT message on %s: not a "
+                               "JSON object", frame.topic[:200])
+            continue
         tree = frame.topic[len(root) + 1:].split("/", 1)[0]
         if tree == "request":
-            _request(batch, frame)
+            _request(batch, frame, doc)
         elif tree == "reply":
-            _reply(batch, frame)
+            _reply(batch, frame, doc)
         elif tree == "event":
             _event(batch, frame)
-    _pooled_replies_check(batch)
     if not batch.rows:
         return batch.counts
     ledger = Ledger()
     with transaction.atomic():
-        _correlation_reused(batch)
+        _requests_placed(batch)
+        targets = _targets(batch)
+        _pooled_replies_check(batch, targets)
         fresh = messages_insert_new(batch.rows, ledger=ledger)
         batch.counts["stored"] += len(fresh)
         inserted = {id(row) for row in fresh}
-        changes = [c for row_id, c in batch.changes.items() if row_id in inserted]
+        changes: list[Change] = []
+        pushed: set[str] = set()
+        for row_id, (_, _, moves) in batch.replies.items():
+            target = targets.get(row_id)
+            if target is None:
+                continue
+            if row_id in inserted:
+                changes += _changes(target, moves, now=now)
+            # Every item of a stream heard, a repeat too, moves an acknowledged request's
+            # deadline on (an identical WORKING is stored once, but it is news).
+            if any(m.to == Status.ACKED and m.deadline == "idle" for m in moves):
+                pushed.add(target)
+        changes += _late_replies(fresh, inserted=inserted, now=now)
         applied = changes_apply(changes, now=now, ledger=ledger)
         batch.counts["stale_answers"] += applied.skipped
-        working = {key for row_id, key in batch.working.items() if row_id in inserted}
-        if working:
-            # Each later item of a stream moves an acknowledged request's deadline on.
-            Message.objects.filter(message_id__in=working, status=Status.ACKED,
-                                   direction=Direction.OBSERVED).update(
-                deadline_at=now + timedelta(milliseconds=settings.REACH_A2A_STREAM_IDLE_MS))
+        if pushed:
+            until = now + timedelta(milliseconds=settings.REACH_A2A_STREAM_IDLE_MS)
+            Message.objects.filter(message_id__in=pushed, status=Status.ACKED,
+                                   direction=Direction.OBSERVED,
+                                   deadline_at__lt=until).update(deadline_at=until)
         ledger.write()
         events: list[dict] = []
         for row in fresh:
@@ -319,39 +395,106 @@ def profile_traffic_ingest(frames: list[ProfileFrame], *, now: datetime) -> Coun
     for row in fresh:
         for rule in row.headers.get("violations", ()):
             batch.counts[f"profile_violations:{rule}"] += 1
-            _log_once_a_minute(rule, row.topic)
+            _log_once_a_minute(rule, "A2A-over-MQTT traffic breaks the profile (%s) on %s",
+                               rule, row.topic[:200])
     return batch.counts
 
 
-def _pooled_replies_check(batch: _Batch) -> None:
-    """A reply to a pooled request must name its responder (`a2a-responder-agent-id`)."""
-    pooled = {r.message_id for r in batch.rows if (r.headers or {}).get("pool")}
-    keys = {r.in_reply_to for r in batch.rows if r.in_reply_to and "responder" not in r.headers}
-    if not keys:
-        return
-    known = pooled | set(Message.objects.filter(
-        message_id__in=keys - pooled, headers__pool__isnull=False).values_list(
-        "message_id", flat=True)) if keys - pooled else pooled
-    for row in batch.rows:
-        if row.in_reply_to in known and "responder" not in row.headers:
-            _violation(batch, row.headers, "pooled_reply_without_responder", row.topic)
+def _task_suffixed(key: str, task: str) -> str:
+    return f"{key}-{hashlib.sha256(task.encode()).hexdigest()[:8]}"
 
 
-def _correlation_reused(batch: _Batch) -> None:
-    """Correlation Data used again on the same reply topic by another task: the first
-    request keeps its row; the second is stored under a key of its own and flagged."""
+def _requests_placed(batch: _Batch) -> None:
+    """Before the insert: each request's attempt number among its task's, and its key when
+    its Response Topic and Correlation Data were used before by another task (a key made
+    of its task too; flagged when that other request is still open)."""
     requests = [r for r in batch.rows if r.message_type in (MT.TASK_REQUEST, MT.CANCEL)
-                and r.message_id.startswith("a2a-") and not r.in_reply_to]
+                and not r.in_reply_to]
     if not requests:
         return
-    stored = dict(Message.objects.filter(message_id__in=[r.message_id for r in requests])
-                  .values_list("message_id", "task_id"))
-    seen: dict[str, str] = {}
+    stored = {m: (t, s) for m, t, s in Message.objects.filter(
+        message_id__in=[r.message_id for r in requests]).values_list(
+        "message_id", "task_id", "status")}
     for row in requests:
-        earlier = stored.get(row.message_id, seen.get(row.message_id))
-        if earlier is not None and earlier != row.task_id:
-            _violation(batch, row.headers, "correlation_reused", row.topic)
-            suffix = hashlib.sha256(row.task_id.encode()).hexdigest()[:8]
-            row.message_id = f"{row.message_id}-{suffix}"
-            row.deadline_at = None  # its replies cannot be told from the first one's
-        seen.setdefault(row.message_id, row.task_id)
+        earlier = stored.get(row.message_id)
+        if earlier is not None and earlier[0] != row.task_id:
+            if earlier[1] in (Status.OBSERVED, Status.ACKED):
+                _violation(row.headers, "correlation_reused")
+            row.message_id = _task_suffixed(row.message_id, row.task_id)
+    tasks = {r.task_id for r in requests if r.task_id and r.message_type == MT.TASK_REQUEST}
+    if not tasks:
+        return
+    made = dict(Message.objects.filter(
+        task_id__in=tasks, message_type=MT.TASK_REQUEST, direction=Direction.OBSERVED)
+        .values_list("task_id").annotate(n=Count("id")))
+    for row in requests:
+        if row.message_type == MT.TASK_REQUEST and row.task_id:
+            made[row.task_id] = made.get(row.task_id, 0) + 1
+            row.attempt = made[row.task_id]
+
+
+def _targets(batch: _Batch) -> dict[int, str]:
+    """The TASK_REQUEST each reply answers: the row its key names, or the one its task's
+    suffix names when the key's row is another task's (Correlation Data used again); in
+    this batch or stored before. A reply to anything else (a GetTask, a request never
+    heard) moves nothing; a reply heard before its request is stored with the key it
+    names, and moves it once the request comes (`_late_replies`)."""
+    if not batch.replies:
+        return {}
+    wanted = set()
+    for key, task, _ in batch.replies.values():
+        wanted.add(key)
+        if task:
+            wanted.add(_task_suffixed(key, task))
+    known = {r.message_id: (r.task_id, r.message_type) for r in batch.rows
+             if r.message_id in wanted}
+    known.update({m: (t, k) for m, t, k in Message.objects.filter(
+        message_id__in=wanted - set(known)).values_list("message_id", "task_id",
+                                                        "message_type")})
+    out: dict[int, str] = {}
+    rows = {id(r): r for r in batch.rows}
+    for row_id, (key, task, _) in batch.replies.items():
+        target = key
+        if task and key in known and known[key][0] != task:
+            target = _task_suffixed(key, task)
+        rows[row_id].in_reply_to = target
+        if known.get(target, ("", ""))[1] == MT.TASK_REQUEST:
+            out[row_id] = target
+    return out
+
+
+def _late_replies(fresh: list[ReceivedRow], *, inserted: set[int], now: datetime
+                  ) -> list[Change]:
+    """The replies stored before the requests this call stored (another bridge, an earlier
+    batch: MQTT orders nothing across topics), in the order they were stored."""
+    keys = [r.message_id for r in fresh if r.message_type == MT.TASK_REQUEST]
+    if not keys:
+        return []
+    batch_ids = {r.message_id for r in fresh}
+    changes: list[Change] = []
+    for message_id, key, headers in (Message.objects.filter(in_reply_to__in=keys)
+                                     .order_by("created_at", "id")
+                                     .values_list("message_id", "in_reply_to", "headers")):
+        if message_id in batch_ids:
+            continue  # stored now: its changes are made already
+        moves = [Move(**m) for m in (headers or {}).get("moves", ())
+                 if isinstance(m, dict) and set(m) == {"to", "reason", "error", "deadline"}]
+        changes += _changes(key, moves, now=now)
+    return changes
+
+
+def _pooled_replies_check(batch: _Batch, targets: dict[int, str]) -> None:
+    """A reply to a pooled request must name its responder (`a2a-responder-agent-id`)."""
+    unnamed = {row_id: target for row_id, target in targets.items()}
+    rows = {id(r): r for r in batch.rows}
+    unnamed = {i: t for i, t in unnamed.items() if "responder" not in rows[i].headers}
+    if not unnamed:
+        return
+    pooled = {r.message_id for r in batch.rows if r.headers.get("pool")}
+    rest = set(unnamed.values()) - pooled
+    if rest:
+        pooled |= set(Message.objects.filter(message_id__in=rest, headers__pool__isnull=False)
+                      .values_list("message_id", flat=True))
+    for row_id, target in unnamed.items():
+        if target in pooled:
+            _violation(rows[row_id].headers, "pooled_reply_without_responder")

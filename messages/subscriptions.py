@@ -62,7 +62,7 @@ class IngestPlan:
 
     def __init__(self, *, prefix: str, node_id: str, monitor: bool, share_group: str,
                  probe_topic: str, setting: str, v5: bool, caps: dict[str, Any],
-                 profile_root: str = ""):
+                 profile_root: str = "", profile: bool = True):
         if setting not in INGEST_CHOICES:
             raise ValueError(f"ingest {setting!r}: use one of {', '.join(INGEST_CHOICES)}")
         self.prefix = prefix
@@ -74,8 +74,10 @@ class IngestPlan:
         self.v5 = v5
         self.caps = caps
         # The A2A-over-MQTT profile's tree (roster/profile.py, messages/profile_traffic.py),
-        # MQTT 5 only; "" when not heard.
+        # MQTT 5 only; `profile` says whether it is heard (when not, an earlier run's
+        # subscriptions to it are stale).
         self.profile_root = profile_root if v5 else ""
+        self.profile = profile
         self.mode = ""
         self.ingesting = False  # whether the inbound subscriptions are (to be) in place
         # Single mode: whether this connection has asked for the ingest lock yet. Until it
@@ -136,11 +138,27 @@ class IngestPlan:
     def profile_discovery(self) -> str:
         return f"{self.profile_root}/discovery/+/+/+" if self.profile_root else ""
 
-    def profile_traffic(self) -> list[str]:
-        """The profile's requests, replies and events, observed in monitor mode."""
-        if not (self.profile_root and self.monitor):
+    def _profile_trees(self) -> list[str]:
+        if not self.profile_root:
             return []
         return [f"{self.profile_root}/{tree}/#" for tree in ("request", "reply", "event")]
+
+    def profile_traffic(self) -> list[str]:
+        """The profile's requests, replies and events, observed in monitor mode."""
+        return self._profile_trees() if self.profile and self.monitor else []
+
+    def profile_heard(self) -> list[str]:
+        """The profile's filters this bridge holds while it ingests."""
+        if not (self.profile and self.profile_root):
+            return []
+        return [self.profile_discovery(), *self.profile_traffic()]
+
+    def _profile_unheard(self) -> list[str]:
+        """The profile's filters an earlier run (the profile or monitor mode on) may have
+        left in the persistent session, that this one must not hold."""
+        heard = self.profile_heard()
+        every = [self.profile_discovery(), *self._profile_trees()] if self.profile_root else []
+        return [f for f in every if f not in heard]
 
     def profile_subscriptions(self) -> list[tuple[str, int | SubscribeOptions]]:
         """The profile's retained Agent Cards and its traffic, plain, heard by every bridge
@@ -151,7 +169,7 @@ class IngestPlan:
         one (its message id is made of what identifies it), and only the bridge that
         inserted a reply moves its request. Subscribed in a packet of their own
         (MqttSession): a broker that refuses `$a2a/…` leaves the native dialect heard."""
-        if not (self.ingesting and self.profile_root):
+        if not (self.ingesting and self.profile and self.profile_root):
             return []
         # Retain As Published: a request published retained (which the profile's rules flag)
         # reaches a live subscriber with its retain flag, which it would otherwise lose.
@@ -182,10 +200,10 @@ class IngestPlan:
             other = ([self.shared(own)] if own else []) if self.monitor else [
                 self.shared(wildcard), wildcard]
             return [t for t in plain if t not in (own, beats)] + [self.shared(beats)] + (
-                [own] if own and not self.plain_inbox() else []) + other
-        profile = ([self.profile_discovery(), *self.profile_traffic()]
-                   if self.profile_root else [])
-        stale = [] if self.ingesting or not self.lock_asked else plain + profile
+                [own] if own and not self.plain_inbox() else []) + other + (
+                self._profile_unheard())
+        stale = ([] if self.ingesting or not self.lock_asked else
+                 plain + self.profile_heard()) + self._profile_unheard()
         if self.monitor and self.own_inbox():
             stale.append(self.own_inbox())  # the plain own inbox of a shared-mode run
         if self.caps.get("shared_subscriptions"):

@@ -145,6 +145,12 @@ def _deadline_words(row: Message) -> tuple[str, str]:
     timeout = (row.headers or {}).get("timeoutMs")
     within = f"within {timeout} ms" if timeout else "before its deadline"
     if row.direction == Direction.OBSERVED:
+        idle = (row.headers or {}).get("idleMs")
+        if row.status == Status.ACKED and idle:
+            # The A2A-over-MQTT profile's stream (messages/profile_traffic.py): each item
+            # moved the deadline on by its idle timeout.
+            return Status.EXPIRED, (f"acknowledged on the bus, then nothing for {idle} ms "
+                                    "(the profile's stream idle timeout)")
         if row.status == Status.ACKED:
             return Status.EXPIRED, f"acknowledged on the bus, no response seen {within}"
         return Status.EXPIRED, f"no answer seen on the bus {within}"

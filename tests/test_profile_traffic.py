@@ -134,13 +134,29 @@ def test_what_breaks_the_profile_is_flagged_and_counted(now):
                                             user=(("a2a-authorization", "Bearer s3cret"),))],
                                     now=now)
     assert counts["profile_violations:token_echoed"] == 1
-    # The same Correlation Data on the same reply topic for another task.
-    third = str(uuid.uuid4())
-    counts = profile_traffic_ingest([request(third, correlation=b"c-9", agent="a4")], now=now)
+
+
+
+def test_correlation_data_used_again(now):
+    first, second, third = (str(uuid.uuid4()) for _ in range(3))
+    profile_traffic_ingest([request(first, correlation=b"c-9")], now=now)
+    # Another task with the same Correlation Data on the same reply topic while the first
+    # is open: its replies cannot be told apart. Flagged, and a key of its own.
+    counts = profile_traffic_ingest([request(second, correlation=b"c-9")], now=now)
     assert counts["profile_violations:correlation_reused"] == 1
-    reused = Message.objects.get(task_id=third)
+    reused = Message.objects.get(task_id=second)
     assert reused.message_id != request_key(REPLY, b"c-9")
     assert reused.headers["violations"] == ["correlation_reused"]
+    # Once the first has ended, using it again is allowed: not flagged, and the replies
+    # that name the new task find it.
+    profile_traffic_ingest([status(first, "TASK_STATE_COMPLETED", correlation=b"c-9")],
+                           now=now)
+    counts = profile_traffic_ingest([request(third, correlation=b"c-9")], now=now)
+    assert not counts["profile_violations:correlation_reused"]
+    profile_traffic_ingest([status(third, "TASK_STATE_COMPLETED", correlation=b"c-9")],
+                           now=now)
+    assert the_request(third).status == "COMPLETED"
+    assert the_request(first).status == "COMPLETED"
 
 
 def test_a_pool_request_and_who_answered_it(now):
@@ -172,9 +188,13 @@ def test_a_reply_that_names_no_request_changes_nothing(now):
     profile_traffic_ingest([request(task)], now=now)
     counts = profile_traffic_ingest([status(task, "TASK_STATE_COMPLETED",
                                             correlation=b"someone-else")], now=now)
-    # Stored, counted as an answer that moved nothing, and the request untouched.
-    assert counts["stored"] == 1 and counts["stale_answers"] == 1
-    assert the_request(task).status == "OBSERVED"
+    assert counts["stored"] == 1 and the_request(task).status == "OBSERVED"
+    # Nor does a reply to what is no task request (a GetTask).
+    other = str(uuid.uuid4())
+    profile_traffic_ingest([request(other, correlation=b"g-1", method="GetTask")], now=now)
+    profile_traffic_ingest([status(other, "TASK_STATE_COMPLETED", correlation=b"g-1")],
+                           now=now)
+    assert Message.objects.get(task_id=other, in_reply_to="").status == "OBSERVED"
 
 
 def test_a_payload_that_is_not_json_is_counted_and_skipped(now):
@@ -197,5 +217,140 @@ def test_the_trace_and_the_task_list_show_a_profile_task(now):
     assert trace.status_code == 200
     html = trace.content.decode()
     assert "COMPLETED" in html and "acme/ops/echo" in html
+    from django.urls import reverse
+
     tasks = viewer.get("/tasks/", {"task": task})
-    assert tasks.status_code == 200 and task in tasks.content.decode()
+    # The task's row links its trace (the filter's own echo of the id would not tell).
+    html = tasks.content.decode()
+    assert tasks.status_code == 200 and f'href="{reverse("tasks:detail", args=[task])}"' in html
+    # ... which is its request's trace.
+    assert viewer.get(reverse("tasks:detail", args=[task]))["Location"] == (
+        f"/messages/{row.message_id}/")
+
+
+
+@pytest.mark.parametrize(("replies", "outcome", "error"), [
+    # The SDK replays CANCELED to a retry of a canceled task, with nothing before it.
+    (["TASK_STATE_CANCELED"], "CANCELED", "canceled by the responder"),
+    (["TASK_STATE_SUBMITTED", "TASK_STATE_REJECTED"], "TASK_ERROR",
+     "the responder said TASK_STATE_REJECTED"),
+    # These end the request's stream (no deadline); the task goes on with another request.
+    (["TASK_STATE_INPUT_REQUIRED"], "ACKED", ""),
+    (["TASK_STATE_AUTH_REQUIRED"], "ACKED", ""),
+])
+def test_the_states_of_a_reply(now, replies, outcome, error):
+    task = str(uuid.uuid4())
+    profile_traffic_ingest([request(task)], now=now)
+    profile_traffic_ingest([status(task, state) for state in replies], now=now)
+    row = the_request(task)
+    assert (row.status, row.error) == (outcome, error)
+    if outcome == "ACKED":
+        assert row.deadline_at is None
+
+
+def test_a_task_or_a_message_answered_whole(now):
+    working, done = str(uuid.uuid4()), str(uuid.uuid4())
+    profile_traffic_ingest([request(working, correlation=b"w"), request(done, correlation=b"d")],
+                           now=now)
+    whole = {"jsonrpc": "2.0", "id": "req-1", "result": {"task": {
+        "id": working, "status": {"state": "TASK_STATE_WORKING"}}}}
+    message = {"jsonrpc": "2.0", "id": "req-1", "result": {"message": {
+        "messageId": "m", "role": "ROLE_AGENT", "parts": [{"text": "done"}]}}}
+    profile_traffic_ingest([ProfileFrame(REPLY, json.dumps(whole).encode(), correlation=b"w"),
+                            ProfileFrame(REPLY, json.dumps(message).encode(),
+                                         correlation=b"d")], now=now)
+    # A task answered whole while WORKING: that request has its answer; nothing follows.
+    assert (the_request(working).status, the_request(working).deadline_at) == ("ACKED", None)
+    assert the_request(done).status == "COMPLETED"
+
+
+def test_a_reply_heard_before_its_request_moves_it_once_the_request_is_stored(now):
+    task = str(uuid.uuid4())
+    profile_traffic_ingest([status(task, "TASK_STATE_SUBMITTED"),
+                            status(task, "TASK_STATE_COMPLETED")], now=now)
+    profile_traffic_ingest([request(task)], now=now)
+    row = the_request(task)
+    assert row.status == "COMPLETED"
+    assert Task.objects.get(task_id=task).status == "COMPLETED"
+    # And in one batch, the reply first.
+    other = str(uuid.uuid4())
+    profile_traffic_ingest([status(other, "TASK_STATE_COMPLETED", correlation=b"o"),
+                            request(other, correlation=b"o")], now=now)
+    assert the_request(other).status == "COMPLETED"
+
+
+def test_an_identical_stream_item_heard_again_still_moves_the_deadline_on(now):
+    task = str(uuid.uuid4())
+    profile_traffic_ingest([request(task), status(task, "TASK_STATE_WORKING")], now=now)
+    later = now + timedelta(seconds=25)
+    counts = profile_traffic_ingest([status(task, "TASK_STATE_WORKING")], now=later)
+    assert counts["stored"] == 0  # the same frame: one row
+    assert the_request(task).deadline_at == later + timedelta(seconds=30)
+
+
+def test_an_acknowledged_request_whose_stream_went_silent_expires_in_words(now):
+    task = str(uuid.uuid4())
+    profile_traffic_ingest([request(task), status(task, "TASK_STATE_WORKING")], now=now)
+    bus_heard(since=now - timedelta(minutes=1), until=now + timedelta(seconds=32))
+    deliveries_sweep(now=now + timedelta(seconds=31))
+    row = the_request(task)
+    assert (row.status, row.error) == ("EXPIRED", "acknowledged on the bus, then nothing for "
+                                                  "30000 ms (the profile's stream idle timeout)")
+
+
+def test_attempts_of_one_task_are_numbered(now):
+    task = str(uuid.uuid4())
+    profile_traffic_ingest([request(task, correlation=b"a1")], now=now)
+    profile_traffic_ingest([request(task, correlation=b"a2"), request(task, correlation=b"a3")],
+                           now=now)
+    attempts = [(m.attempt, m.headers["correlationData"])
+                for m in Message.objects.filter(task_id=task).order_by("attempt")]
+    assert attempts == [(1, b"a1".hex()), (2, b"a2".hex()), (3, b"a3".hex())]
+
+
+def test_frames_the_console_cannot_read_are_counted_and_skipped(now, settings):
+    settings.REACH_MAX_MESSAGE_BYTES = 8192
+    task = str(uuid.uuid4())
+    big = request(task)
+    big = ProfileFrame(big.topic, big.payload + b" " * 10_000, response_topic=REPLY,
+                       correlation=b"c-1")
+    nan = ProfileFrame(REPLY, b'{"jsonrpc": "2.0", "id": NaN, "result": {}}', correlation=b"x")
+    odd = ProfileFrame(REPLY, json.dumps({"jsonrpc": "2.0", "id": {"a": "b" * 5000},
+                                          "result": {"artifactUpdate": {"artifact": "oops"}},
+                                          "error": "not an object"}).encode(),
+                       correlation=b"c-1")
+    counts = profile_traffic_ingest([big, nan, odd], now=now)
+    assert counts["rejected:profile_too_large"] == 1
+    assert counts["rejected:profile_not_json"] == 1
+    # A shape it cannot read is stored as what it is, with nothing of it kept at length.
+    stored = Message.objects.get()
+    assert stored.message_type == "EVENT" and stored.headers["jsonrpcId"] is None
+    assert len(json.dumps(stored.headers)) < 600
+
+
+@pytest.mark.parametrize(("profile", "monitor", "held", "unheld"), [
+    (True, True, ["discovery", "request", "reply", "event"], []),
+    # Monitor mode off: the traffic is not observed, and an earlier run's filters go.
+    (True, False, ["discovery"], ["request", "reply", "event"]),
+    (False, True, [], ["discovery", "request", "reply", "event"]),
+])
+@pytest.mark.parametrize("setting", ["shared", "single"])
+def test_what_a_bridge_subscribes_of_the_profile_and_what_it_lets_go(
+        profile, monitor, held, unheld, setting):
+    from messages.subscriptions import IngestPlan
+
+    plan = IngestPlan(prefix="p", node_id="console", monitor=monitor, share_group="g",
+                      probe_topic="p/console/x/probe", setting=setting, v5=True, caps={},
+                      profile_root=ROOT, profile=profile)
+    plan.decide(lock_held=True)
+
+    def trees(filters) -> list[str]:
+        return [f.split("/")[2] for f in filters if f.startswith(f"{ROOT}/")]
+
+    subscribed = plan.profile_subscriptions()
+    assert trees(t for t, _ in subscribed) == held
+    # Plain, never `$share/`: Mosquitto 2.0 delivers nothing through a shared `$` filter.
+    assert not any(t.startswith("$share/") and "$a2a" in t for t, _ in plan.subscriptions())
+    # A retained request keeps its flag (Retain As Published).
+    assert all(o.retainAsPublished for t, o in subscribed if "/request/" in t)
+    assert sorted(trees(plan.stale_filters())) == sorted(unheld)
