@@ -354,3 +354,25 @@ def test_what_a_bridge_subscribes_of_the_profile_and_what_it_lets_go(
     # A retained request keeps its flag (Retain As Published).
     assert all(o.retainAsPublished for t, o in subscribed if "/request/" in t)
     assert sorted(trees(plan.stale_filters())) == sorted(unheld)
+
+
+def test_the_timeline_and_task_list_tell_the_dialects_apart_by_node(now):
+    """Every row of the profile is on the node `a2a-mqtt` (its agents' node on the roster):
+    the lists show it in their node column, and `node=a2a-mqtt` keeps only them."""
+    from messages.outbound import SendRequest, message_send
+    from tests.conftest import logged_in, reader, register
+
+    register("fin.tax", "node-a", now=now)
+    native = message_send(request=SendRequest(to="fin.tax", payload={"n": 1},
+                                              task_id="t-native"))
+    task = str(uuid.uuid4())
+    profile_traffic_ingest([request(task)], now=now)
+    observed = the_request(task)
+    viewer = logged_in(reader("victor", password="pw-victor-123"))
+    # The timeline by message, the task list by task.
+    for path, ours, theirs in (("/messages/", native.message_id, observed.message_id),
+                               ("/tasks/", "t-native", task)):
+        both = viewer.get(path).content.decode()
+        assert ours in both and theirs in both
+        profile = viewer.get(path, {"node": "a2a-mqtt"}).content.decode()
+        assert theirs in profile and ours not in profile
