@@ -377,68 +377,64 @@ class Bridge:
         if result.to_publish:
             self._outbox_due.set()  # answers and freed work: publish them on this turn
 
-    def _cards_apply(self, cards: list[CardFrame]) -> bool:
-        """After the batch's messages: each card on its own (one agent's, its own
-        transaction), waiting out a database outage as the messages do, each counted once
-        it is applied. False when the bridge stops before all are: nothing of the batch is
-        acknowledged then, and the broker sends it again (a card applied twice writes
-        nothing the second time)."""
-        attempt = 0
-        for card in cards:
-            while True:
-                try:
-                    connection_keep()
-                    self.counts[card_counted(card)] += 1
-                    break
-                except INFRA_DOWN as exc:
-                    if self._stop.is_set():
-                        return False
-                    delay = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
-                    attempt += 1
-                    log.warning("database unavailable for Agent Cards (%s); retrying in "
-                                "%.1f s", exc, delay)
-                    time.sleep(delay)
-        return True
-
-    def _traffic_apply(self, frames: list[ProfileFrame]) -> bool:
-        """The profile's observed traffic, one transaction (messages/profile_traffic.py),
-        waiting out an outage; a batch that fails otherwise goes again frame by frame, and
-        a frame that fails alone is logged, counted and dropped (it is an observation: a
-        frame that breaks the console must not stop its bridge). False when the bridge
-        stops first."""
+    def _outage_waited(self, work, what: str) -> bool:
+        """Run `work` until the database (or the cache) lets it through, backing off as the
+        batch's messages do; False when the bridge stops first (nothing of the batch is
+        acknowledged then, and the broker sends it again)."""
         attempt = 0
         while True:
             try:
                 connection_keep()
-                try:
-                    self.counts.update(profile_traffic_ingest(frames, now=timezone.now()))
-                except INFRA_DOWN:
-                    raise
-                except Exception:
-                    # Anyone on the bus can send such frames: said once a minute, not once
-                    # a frame.
-                    self._say_once_a_minute("a batch of %d A2A-over-MQTT messages failed; "
-                                            "isolating the bad ones", len(frames))
-                    for frame in frames:
-                        try:
-                            self.counts.update(profile_traffic_ingest([frame],
-                                                                      now=timezone.now()))
-                        except INFRA_DOWN:
-                            raise
-                        except Exception:
-                            self._say_once_a_minute("an A2A-over-MQTT message on %s could "
-                                                    "not be stored; dropped",
-                                                    frame.topic[:200])
-                            self.counts["rejected:profile_unstorable"] += 1
+                work()
                 return True
             except INFRA_DOWN as exc:
                 if self._stop.is_set():
                     return False
                 delay = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
                 attempt += 1
-                log.warning("database unavailable for A2A-over-MQTT traffic (%s); retrying in "
-                            "%.1f s", exc, delay)
+                log.warning("database unavailable for %s (%s); retrying in %.1f s", what,
+                            exc, delay)
                 time.sleep(delay)
+
+    def _cards_apply(self, cards: list[CardFrame]) -> bool:
+        """After the batch's messages: each card on its own (one agent's, its own
+        transaction), each counted once it is applied (a card applied twice writes nothing
+        the second time)."""
+        for card in cards:
+            def apply(card=card) -> None:
+                self.counts[card_counted(card)] += 1
+
+            if not self._outage_waited(apply, "Agent Cards"):
+                return False
+        return True
+
+    def _traffic_apply(self, frames: list[ProfileFrame]) -> bool:
+        """The profile's observed traffic, one transaction (messages/profile_traffic.py); a
+        batch that fails otherwise goes again frame by frame, and a frame that fails alone
+        is logged, counted and dropped (it is an observation: a frame that breaks the
+        console must not stop its bridge)."""
+        def ingest() -> None:
+            try:
+                self.counts.update(profile_traffic_ingest(frames, now=timezone.now()))
+                return
+            except INFRA_DOWN:
+                raise
+            except Exception:
+                # Anyone on the bus can send such frames: said once a minute, not once a
+                # frame.
+                self._say_once_a_minute("a batch of %d A2A-over-MQTT messages failed; "
+                                        "isolating the bad ones", len(frames))
+            for frame in frames:
+                try:
+                    self.counts.update(profile_traffic_ingest([frame], now=timezone.now()))
+                except INFRA_DOWN:
+                    raise
+                except Exception:
+                    self._say_once_a_minute("an A2A-over-MQTT message on %s could not be "
+                                            "stored; dropped", frame.topic[:200])
+                    self.counts["rejected:profile_unstorable"] += 1
+
+        return self._outage_waited(ingest, "A2A-over-MQTT traffic")
 
     def _say_once_a_minute(self, message: str, *args: object) -> None:
         """log.exception for what the bus can cause at will, at most once a minute."""

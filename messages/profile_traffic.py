@@ -485,9 +485,8 @@ def _late_replies(fresh: list[ReceivedRow], *, inserted: set[int], now: datetime
 
 def _pooled_replies_check(batch: _Batch, targets: dict[int, str]) -> None:
     """A reply to a pooled request must name its responder (`a2a-responder-agent-id`)."""
-    unnamed = {row_id: target for row_id, target in targets.items()}
     rows = {id(r): r for r in batch.rows}
-    unnamed = {i: t for i, t in unnamed.items() if "responder" not in rows[i].headers}
+    unnamed = {i: t for i, t in targets.items() if "responder" not in rows[i].headers}
     if not unnamed:
         return
     pooled = {r.message_id for r in batch.rows if r.headers.get("pool")}

@@ -88,10 +88,6 @@ class CardIdentity:
         return f"{self.org}/{self.unit}/{self.agent}"
 
 
-def discovery_filter() -> str:
-    return f"{settings.REACH_A2A_ROOT}/discovery/+/+/+"
-
-
 def card_identity(topic: str) -> CardIdentity:
     """`$a2a/v1/discovery/{org}/{unit}/{agent}` → its identity, or CardRefused."""
     prefix = f"{settings.REACH_A2A_ROOT}/discovery/"
