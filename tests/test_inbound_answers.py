@@ -13,6 +13,7 @@ from django.test.utils import CaptureQueriesContext
 from messages import protocol
 from messages.inbound import Incoming, messages_ingest
 from messages.models import Direction, Message, Status, Transition
+from messages.partitions import history_partitioned, legacy_end
 from tests.conftest import reader
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("console_hears")]
@@ -170,6 +171,10 @@ def test_the_check_costs_no_query_per_answer():
             our_request(message_id=f"q-{origin}-{count}-{n}-{start}")
         batch = [(inbox(), answer(MT.ACK, f"q-{origin}-{count}-{n}-{start}", origin=origin))
                  for n in range(count)]
+        # The history's mode is cached for MODE_TTL_S: refreshed now, a slow run does not
+        # count its refresh against one batch.
+        if history_partitioned():
+            legacy_end()
         with CaptureQueriesContext(connection) as captured:
             ingest(*batch)
         return len(captured)
