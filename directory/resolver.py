@@ -130,11 +130,17 @@ def candidate_for(agent: Agent | dict, now: datetime, *, accepted: bool = False)
     common = {"namespace": row["namespace__name"], "load": load}
     agent_id, node_id, status = row["agent_id"], row["node__node_id"], row["status"]
     if row["dialect"] != Dialect.NATIVE:
-        # Its requests are JSON-RPC on the profile's topics, not an envelope on a node's
-        # inbox: a native send published to it would reach nobody.
-        return Candidate(agent_id, node_id, status, False,
-                         "speaks the A2A-over-MQTT profile, which native sends do not reach",
-                         **common)
+        # An agent of the A2A-over-MQTT profile (messages/profile_send.py sends to it): no
+        # lease and no heartbeat; its presence is what its retained card last said.
+        if status == Agent.Status.OFFLINE:
+            return Candidate(agent_id, node_id, status, False,
+                             "offline: its Agent Card says a2a-status=offline (the broker's "
+                             "word: its Last Will, or its goodbye)", **common)
+        if status == Agent.Status.DRAINING and not accepted:
+            return Candidate(agent_id, node_id, status, False, "draining: it takes no new "
+                             "work", **common)
+        return Candidate(agent_id, node_id, status, True,
+                         "live: its Agent Card is on the bus (A2A-over-MQTT)", **common)
     if status == Agent.Status.DRAINING and not accepted:
         return Candidate(agent_id, node_id, status, False, "draining: it takes no new work",
                          **common)
@@ -187,7 +193,9 @@ def _agents(q: Q, namespaces: frozenset[str] | None = None) -> list[dict]:
 
 def _within(agent_id: str, namespaces: frozenset[str] | None) -> bool:
     """Whether a token bound to `namespaces` (None: to none) may see this agent id."""
-    return namespaces is None or agent_id.split(".", 1)[0] in namespaces
+    if namespaces is None:
+        return True
+    return agent_id.split("/" if agent_id.count("/") == 2 else ".", 1)[0] in namespaces
 
 
 def _choose(agents: list[dict], *, level: str, match: str | None, namespace: str | None,
@@ -444,6 +452,12 @@ def resolve_agent_node(
     if is_local_agent(to_agent_id) and target_node_id in (None, "", local_node):
         return Resolution(to_agent_id, local_node, "local", "handled by the console", local=True)
     agents = _agents(Q(agent_id=to_agent_id))
+    if not agents and to_agent_id.count("/") == 2:
+        return Resolution(None, None, None,
+                          f"no Agent Card of {to_agent_id} is known: nothing is retained on "
+                          f"{settings.REACH_A2A_ROOT}/discovery/{to_agent_id}, so no "
+                          "A2A-over-MQTT agent answers there; check the id, or start the agent",
+                          outcome=NOT_FOUND)
     if not agents:
         return Resolution(None, None, None,
                           f"no agent {to_agent_id} is on the roster; check the id or register "

@@ -18,6 +18,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from directory.resolver import Candidate, Resolution, candidate_for
+from roster.ids import profile_agent_id
 from roster.models import Agent, Namespace
 
 UnackedCounts = Callable[[list[str]], Mapping[str, int]]
@@ -34,6 +35,8 @@ def _next_turn(key: str) -> int:
 
 
 def namespace_of(agent_id: str | None) -> str | None:
+    if agent_id and profile_agent_id(agent_id):  # the A2A-over-MQTT profile's: its org
+        return agent_id.split("/", 1)[0]
     if not agent_id or "." not in agent_id:
         return None
     return agent_id.split(".", 1)[0]

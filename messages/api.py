@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
 from ninja import Field, Query, Router, Schema, Status
 from pydantic import AfterValidator, BeforeValidator, ConfigDict
 
@@ -24,6 +25,7 @@ from messages.outbound import (
     messages_resend,
     messages_send_group,
 )
+from messages.profile_send import is_profile_row, profile_response
 from messages.redact import redacted
 from messages.rollups import DEFAULT_WINDOW, WINDOWS, subject_stats, window_read
 from messages.rows import message_fields
@@ -42,7 +44,7 @@ from reachconsole.core.errors import ApiError
 from reachconsole.core.idle import db_then_idle
 from reachconsole.core.moments import utc_moment
 from roster.fields import AGENT_ID_INPUT_PATTERN, NAME, AgentIdInput, NodeId
-from roster.ids import agent_id_parse
+from roster.ids import agent_id_parse, agent_namespace, stored_agent_id
 from roster.models import NAME_RE
 
 router = Router(tags=["a2a"])
@@ -50,7 +52,9 @@ ops_router = Router(tags=["ops"])
 
 
 # What `to` may be: an agent id, `@mention`, `capability:name` or `#group`.
-TO_PATTERN = (rf"^(?:{CAPABILITY_PREFIX}{NAME}|#{NAME}|@.+|"
+# ... or an A2A-over-MQTT profile agent's `org/unit/agent` (roster/ids.py PROFILE_ID_RE).
+_PROFILE_ID = r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+"
+TO_PATTERN = (rf"^(?:{CAPABILITY_PREFIX}{NAME}|#{NAME}|@.+|{_PROFILE_ID}|"
               rf"{AGENT_ID_INPUT_PATTERN.removeprefix('^').removesuffix('$')})$")
 
 
@@ -68,7 +72,7 @@ def _to_check(value: Any) -> Any:
             raise SendRefused(f"`{value[:60]}` is not a group: `#data-processing` (letters, "
                               "digits, '-', '_', '.')")
     elif not value.startswith("@"):
-        agent_id_parse(value)
+        stored_agent_id(value)
     return value
 
 
@@ -81,7 +85,8 @@ class SendIn(BodyIn):
 
     to: Annotated[str, BeforeValidator(_to_check)] = Field(
         ..., max_length=265, pattern=TO_PATTERN,
-        description='"ns.agent", "@mention", "capability:x" or "#group"')
+        description='"ns.agent", "org/unit/agent" (an A2A-over-MQTT agent), "@mention", '
+        '"capability:x" or "#group"')
     payload: JsonValue = None
     task_id: str | None = Field(None, alias="taskId", max_length=120)
     target_node_id: NodeId | None = Field(None, alias="targetNodeId")
@@ -145,7 +150,13 @@ async def send(request: HttpRequest, body: SendIn):
         return Status(*outcome) if outcome else Status(200, out)
     if out.get("status") != TaskState.SENT:
         return Status(status, out)
-    timeout_s = ((body.timeout_ms or 30000) + WAIT_MARGIN_MS) / 1000
+    timeout_ms = body.timeout_ms or 30000
+    if body.timeout_ms is None and out.get("deadlineAt"):
+        # The task's own deadline: an A2A-over-MQTT send's default is the profile's whole
+        # requester budget (REACH_A2A_TIMEOUT_MS), not the native 30 s.
+        left = datetime.fromisoformat(out["deadlineAt"]) - timezone.now()
+        timeout_ms = max(0.0, left.total_seconds() * 1000)
+    timeout_s = (timeout_ms + WAIT_MARGIN_MS) / 1000
     outcome = await answer_waits.wait(
         out["taskId"] or out["messageId"], timeout_s=timeout_s,
         check=lambda: db_then_idle(_task_outcome, out["messageId"]))
@@ -167,7 +178,7 @@ def _send(caller, body: SendIn) -> tuple[int, dict]:
                            "a token bound to namespaces must name `from` (an agent of its "
                            "namespaces) to route by capability, group or mention")
     else:
-        caller.require_namespace(agent_id_parse(to).namespace)
+        caller.require_namespace(agent_namespace(to))
     if body.wait and to.startswith("#"):
         raise ApiError(422, "invalid_request", "`wait` takes one response: send to an agent, "
                        "a mention or a capability, not a group")
@@ -204,10 +215,14 @@ def _task_outcome(message_id: str) -> tuple[int, dict] | None:
     if answered:
         row = answered[-1]
         out = message_out(row)
-        response = task_response(row)
         # Not masked (messages/redact.py): this is the result the caller asked for, not a
         # record shown to someone else.
-        out["response"] = response.payload if response else None
+        if is_profile_row(row):
+            # The task as the A2A-over-MQTT profile delivered it (messages/profile_send.py).
+            out["response"] = profile_response(row)
+        else:
+            response = task_response(row)
+            out["response"] = response.payload if response else None
         return 200, out
     last = attempts[-1] if attempts else None
     if last is None or last.status not in FINAL_STATUSES:

@@ -54,6 +54,7 @@ from messages.outbox import (
     outbox_unsubscribe,
 )
 from messages.probes import Probe
+from messages.profile_send import profile_encode, publish_properties
 from messages.profile_traffic import ProfileFrame, profile_traffic_ingest
 from messages.puback import Puback, pubacks_apply
 from messages.rows import row_encode
@@ -143,7 +144,9 @@ class Bridge:
         self.url = self.session.url  # never the password: this one is logged
         # paho mid → (a2a_message pk, whether it is a task request, the request whose
         # response waits for this ACK or ""), until the PUBACK
-        self._pending: dict[int, tuple[int, bool, str]] = {}
+        # mid → (row pk, whether a request, the request its response waits for, the
+        # request's time to be answered in ms: 0 for REACH_ACK_TIMEOUT_MS)
+        self._pending: dict[int, tuple[int, bool, str, int]] = {}
         self._outbox_due = threading.Event()
         self._next_poll = 0.0
         self._listener = OutboxListener(self._wake_outbox)
@@ -482,21 +485,28 @@ class Bridge:
         released: list[str] = []
         now = timezone.now()
         for row in rows:
+            profile = publish_properties(row)
             try:
-                data = row_encode(row)
+                if profile is not None and not self.session.v5:
+                    raise ValueError("the broker connection speaks MQTT 3.1.1, and the "
+                                     "A2A-over-MQTT profile needs MQTT 5 (Response Topic, "
+                                     "Correlation Data): set MQTT_PROTOCOL=5")
+                data = profile_encode(row) if profile is not None else row_encode(row)
             except (ValueError, TypeError) as exc:
                 failed.append(Puback(pk=row.pk, request=False, at=now,
                                      not_sent=str(exc) or type(exc).__name__))
                 released += filter(None, [_response_waits_for(row)])
                 continue
             topic = row.topic or protocol.inbox_topic(self.prefix, row.target_node_id)
-            info = self.session.publish(topic, data, qos=1)
+            info = self.session.publish(topic, data, qos=1, reply=profile)
             if info is None:
                 break  # stopping: the rows stay SENT, their claim runs out
             if info.rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
                 # NO_CONN: paho keeps a QoS 1 message and sends it on reconnect.
                 request = row.message_type == protocol.MessageType.TASK_REQUEST
-                self._pending[info.mid] = (row.pk, request, _response_waits_for(row))
+                self._pending[info.mid] = (row.pk, request, _response_waits_for(row),
+                                           # the profile's first-reply timeout
+                                           settings.REACH_A2A_FIRST_REPLY_MS if profile else 0)
                 self.counts["published"] += 1
             else:
                 # QUEUE_SIZE and friends: not queued. The row stays SENT, due again shortly.
@@ -512,13 +522,13 @@ class Bridge:
         pubacks: list[Puback] = []
         released: list[str] = []
         for item in confirms:
-            pk, request, waiting = self._pending.pop(item.mid, (None, False, ""))
+            pk, request, waiting, ack_ms = self._pending.pop(item.mid, (None, False, "", 0))
             if pk is None:
                 continue
             if waiting:  # the broker has the ACK (or refused it): the response may go now
                 released.append(waiting)
             pubacks.append(Puback(pk=pk, request=request, at=item.at,
-                                  broker_refused=item.failure))
+                                  broker_refused=item.failure, ack_ms=ack_ms))
         self._pubacks_apply(pubacks, release=released)
 
     def _pubacks_apply(self, pubacks: list[Puback], *, release: list[str]) -> None:

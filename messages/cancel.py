@@ -20,6 +20,7 @@ from messages.events import events_on_commit, message_events
 from messages.ledger import Ledger, task_key
 from messages.models import CANCELABLE_STATUSES, Change, Direction, Message, Status, Task
 from messages.outbox import outbox_wake
+from messages.profile_send import is_profile_row, profile_cancel_row
 from messages.protocol import MessageType
 from messages.rows import cancel_row
 from messages.state import atomic_retrying, changes_apply, messages_insert_new
@@ -143,13 +144,19 @@ def _cancel(*, task_id: str, by: str, reason: str, member: str | None,
                             code="cancel_raced")
     done = Canceled(task_id=task_id, rows=rows, was=was)
     events = list(applied.events)
-    tell = [cancel_row(request=r, now=now) for r in rows if r.pk in bus and r.target_node_id]
-    # One CANCEL per node: it names the task, not the transmission.
-    per_node = {row.target_node_id: row for row in tell}
+    # One CANCEL per node: it names the task, not the transmission. An agent of the
+    # A2A-over-MQTT profile is told with the profile's CancelTask, one per agent.
+    per_node: dict[str, Message] = {}
+    for r in rows:
+        if r.pk in bus and r.target_node_id:
+            if is_profile_row(r):
+                per_node[r.to_agent_id] = profile_cancel_row(request=r, now=now)
+            else:
+                per_node[r.target_node_id] = cancel_row(request=r, now=now)
     sent = messages_insert_new(list(per_node.values()), ledger=ledger)
     for row in sent:
         events += message_events(row, previous="")
-        done.told.append(row.target_node_id)
+        done.told.append(row.to_agent_id if is_profile_row(row) else row.target_node_id)
     publish = [row.pk for row in sent]
     if applied.freed:
         # Slots freed: work held behind the canceled ones may go now.

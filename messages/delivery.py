@@ -34,16 +34,47 @@ def retry_delay_ms(attempt: int, *, rng: random.Random | None = None) -> float:
     return base * (1 + (rng or _rng).uniform(-jitter, jitter))
 
 
-def ack_deadline(now: datetime) -> datetime:
-    return now + timedelta(milliseconds=settings.REACH_ACK_TIMEOUT_MS)
+def ack_deadline(now: datetime, *, ack_ms: int | None = None) -> datetime:
+    return now + timedelta(milliseconds=ack_ms or settings.REACH_ACK_TIMEOUT_MS)
+
+
+# A row of the A2A-over-MQTT profile (messages/profile_send.py) follows the profile's
+# requester rules instead: its first reply within REACH_A2A_FIRST_REPLY_MS stands for the
+# ACK, and its attempts and backoff are the profile's.
+PROFILE = "a2a-mqtt"
+
+
+def _profile(row: Message) -> bool:
+    return (row.headers or {}).get("dialect") == PROFILE
+
+
+def silence_words(row: Message) -> str:
+    if _profile(row):
+        return (f"no reply within {settings.REACH_A2A_FIRST_REPLY_MS} ms "
+                "(REACH_A2A_FIRST_REPLY_MS, the profile's first-reply timeout)")
+    return f"no ACK within {settings.REACH_ACK_TIMEOUT_MS} ms"
+
+
+def _profile_delay_ms(attempt: int, rng: random.Random | None = None) -> float:
+    backoff = settings.REACH_A2A_BACKOFF_MS
+    base = backoff[min(attempt - 1, len(backoff) - 1)]
+    jitter = settings.REACH_A2A_JITTER
+    return base * (1 + (rng or _rng).uniform(-jitter, jitter))
 
 
 def retry_or_give_up(row: Message, *, now: datetime) -> tuple[str, dict, str]:
     """After an attempt failed: (next status, fields, reason) — RETRYING with its due time,
     or the terminal status with words, when attempts or the task's time ran out."""
-    if row.attempt >= settings.REACH_RETRY_MAX_ATTEMPTS:
-        return "", {}, f"{row.attempt} attempts made (REACH_RETRY_MAX_ATTEMPTS)"
-    due = now + timedelta(milliseconds=retry_delay_ms(row.attempt))
+    if _profile(row):
+        if row.attempt >= settings.REACH_A2A_MAX_ATTEMPTS:
+            return "", {}, (f"{row.attempt} attempts made, each with its own Correlation "
+                            "Data (REACH_A2A_MAX_ATTEMPTS, the profile's requester rule)")
+        delay = _profile_delay_ms(row.attempt)
+    else:
+        if row.attempt >= settings.REACH_RETRY_MAX_ATTEMPTS:
+            return "", {}, f"{row.attempt} attempts made (REACH_RETRY_MAX_ATTEMPTS)"
+        delay = retry_delay_ms(row.attempt)
+    due = now + timedelta(milliseconds=delay)
     if row.deadline_at and due >= row.deadline_at:
         return "", {}, "the task's deadline (timeoutMs) would pass before another attempt"
     return Status.RETRYING, {"next_attempt_at": due}, f"attempt {row.attempt + 1} due"

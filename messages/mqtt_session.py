@@ -257,11 +257,18 @@ class MqttSession:
             return heard
         return None
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1) -> mqtt.MQTTMessageInfo | None:
+    def publish(self, topic: str, payload: bytes, qos: int = 1,
+                reply: tuple[str, bytes] | None = None) -> mqtt.MQTTMessageInfo | None:
+        """`reply`: (Response Topic, Correlation Data), MQTT 5 only (the A2A-over-MQTT
+        profile's requests: messages/profile_send.py)."""
         client = self.client
         if client is None:
             return None
-        return client.publish(topic, payload, qos=qos)
+        if reply is None:
+            return client.publish(topic, payload, qos=qos)
+        props = Properties(PacketTypes.PUBLISH)
+        props.ResponseTopic, props.CorrelationData = reply
+        return client.publish(topic, payload, qos=qos, properties=props)
 
     def ack(self, received: list[Received]) -> None:
         """After the commit: the broker may forget them."""

@@ -29,12 +29,14 @@ from messages.models import (
     Transition,
 )
 from messages.outbox import outbox_wake
+from messages.profile_send import is_profile_row, profile_request_shape
 from messages.rows import local_response_row, request_row, row_encode, row_log_fields
 from messages.state import atomic_retrying
 from reachconsole.core.audit import audit_record
 from reachconsole.core.errors import ConsoleError
 from reachconsole.core.metrics import counters_add
-from roster.ids import agent_id_parse
+from roster.ids import stored_agent_id
+from roster.models import PROFILE_NODE_ID
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ def _resolve_target(request: SendRequest, now: datetime) -> tuple[str, Resolutio
                              namespaces=request.within, now=now)
         _refuse_outside(request, resolution.agent_id)  # never outside: resolve() keeps in
         return resolution.agent_id or to, resolution
-    agent_id = agent_id_parse(to).agent_id
+    agent_id = stored_agent_id(to)  # `fin.tax`, `fin/tax`, or a profile's `org/unit/agent`
     _refuse_outside(request, agent_id)
     return agent_id, resolve_agent_node(to_agent_id=agent_id,
                                         target_node_id=request.target_node_id or None, now=now)
@@ -199,7 +201,11 @@ def _prepared_row(request: SendRequest, to_agent_id: str, resolution: Resolution
                                     to_agent_id=resolution.agent_id)
         if refusal:
             raise SendRefused(refusal, code="namespace_isolation", status=403)
-    row = _request_row(request, to_agent_id=to_agent_id, now=now)
+    profile = resolution.ok and resolution.node_id == PROFILE_NODE_ID
+    # A profile row's bytes are its JSON-RPC request, checked when it is shaped.
+    row = _request_row(request, to_agent_id=to_agent_id, now=now, encode=not profile)
+    if resolution.ok:
+        _profile_shaped(row, request, node_id=resolution.node_id, now=now)
     row.resolution = {
         "target": request.to, "level": resolution.level, "match": resolution.match,
         "reason": resolution.reason, "candidates": _visible(resolution, request.within),
@@ -207,6 +213,20 @@ def _prepared_row(request: SendRequest, to_agent_id: str, resolution: Resolution
     if request.within is not None:  # retries and resends of this task stay inside them
         row.resolution["within"] = sorted(request.within)
     return row
+
+
+def _profile_shaped(row: Message, request: SendRequest, *, node_id: str | None,
+                    now: datetime) -> None:
+    """A row routed to an agent of the A2A-over-MQTT profile becomes a JSON-RPC
+    SendMessage on its request topic (messages/profile_send.py)."""
+    if node_id != PROFILE_NODE_ID:
+        return
+    try:
+        profile_request_shape(row, timeout_given=bool(request.timeout_ms), now=now)
+    except protocol.PayloadTooLarge as exc:
+        raise SendRefused(str(exc), code="payload_too_large", status=413) from None
+    except (TypeError, ValueError) as exc:
+        raise SendRefused(f"the payload cannot be sent as JSON: {exc}") from None
 
 
 def _storm_guard(prepared: list[tuple[Message, Resolution]], *, now: datetime):
@@ -265,9 +285,12 @@ def _send_prepared(prepared: list[tuple[Message, Resolution]], *, actor: str, by
     return rows, publish, events
 
 
-def _request_row(request: SendRequest, *, to_agent_id: str, now: datetime) -> Message:
+def _request_row(request: SendRequest, *, to_agent_id: str, now: datetime,
+                 encode: bool = True) -> Message:
     """The row for one send, refused (nothing written) when it cannot go on the wire."""
     row = request_row(request=request, to_agent_id=to_agent_id, now=now)
+    if not encode:
+        return row
     try:
         row_encode(row)
     except protocol.PayloadTooLarge as exc:
@@ -290,7 +313,8 @@ def _dispatch(row: Message, resolution: Resolution, capacities: Capacities, *, a
         return _move(row, Status.UNDELIVERABLE, reason=reason, actor=actor, now=now,
                      error=reason, finished_at=now)
     row.target_node_id = resolution.node_id
-    row.topic = protocol.inbox_topic(settings.MQTT_TOPIC_PREFIX, resolution.node_id)
+    if not is_profile_row(row):  # a profile row has its agent's request topic already
+        row.topic = protocol.inbox_topic(settings.MQTT_TOPIC_PREFIX, resolution.node_id)
     decision = capacities.decide(row.to_agent_id)
     if decision == "busy":
         reason = busy_reason(row.to_agent_id)
@@ -328,8 +352,10 @@ def messages_send_group(*, group: str, request: SendRequest, actor: str = "api",
     for member in live:
         # Each member executes its own copy: its own idempotency key within the task.
         member_key = group_member_key(task_id, member.agent_id)
-        row = _request_row(replace(request, task_id=task_id, idempotency_key=member_key),
-                           to_agent_id=member.agent_id, now=now)
+        member_request = replace(request, task_id=task_id, idempotency_key=member_key)
+        row = _request_row(member_request, to_agent_id=member.agent_id, now=now,
+                           encode=member.node_id != PROFILE_NODE_ID)
+        _profile_shaped(row, member_request, node_id=member.node_id, now=now)
         row.resolution = {"target": label, "level": "group", "reason": f"member of {label}",
                           "candidates": candidates}
         prepared.append((row, Resolution(member.agent_id, member.node_id, "group", "member",

@@ -47,9 +47,11 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Count
 
+from messages.backpressure import held_release
 from messages.events import events_on_commit, message_events
 from messages.ledger import Ledger
 from messages.models import Change, Direction, Heard, Message, Status
+from messages.outbox import outbox_wake
 from messages.protocol import MessageType
 from messages.rows import ReceivedRow
 from messages.state import changes_apply, messages_insert_new
@@ -79,6 +81,12 @@ class ProfileFrame:
     retain: bool = False
 
 
+def console_reply_topic() -> str:
+    """The console's own Response Topic (messages/profile_send.py): the replies heard on it
+    answer the console's requests, and the console keeps them whole."""
+    return f"{settings.REACH_A2A_ROOT}/reply/{settings.REACH_A2A_REQUESTER}/replies"
+
+
 def request_key(response_topic: str, correlation: bytes) -> str:
     """The message id of a request: what its replies name it by."""
     digest = hashlib.sha256(response_topic.encode() + b"\0" + correlation).hexdigest()
@@ -101,18 +109,23 @@ class Move:
                 "deadline": self.deadline}
 
 
-def _changes(key: str, moves: list[Move], *, now: datetime) -> list[Change]:
+def _changes(key: str, moves: list[Move], *, now: datetime, ours: bool = False
+             ) -> list[Change]:
+    """`ours`: replies on the console's own Response Topic, which move its own requests
+    (received, as a native answer on its inbox is). Those keep their task's deadline
+    (timeoutMs) through a stream; an observed request's moves on with each item."""
     heard = Heard(origin_node_id=PROFILE_NODE_ID, heard_on=PROFILE_NODE_ID,
-                  direction=Direction.OBSERVED)
+                  direction=Direction.RECV if ours else Direction.OBSERVED)
     idle = timedelta(milliseconds=settings.REACH_A2A_STREAM_IDLE_MS)
     out = []
     for move in moves:
         if move.to == Status.ACKED:
-            fields = {"acked_at": now, "ack_deadline_at": None,
-                      "deadline_at": now + idle if move.deadline == "idle" else None}
+            fields = {"acked_at": now, "ack_deadline_at": None}
+            if not ours:
+                fields["deadline_at"] = now + idle if move.deadline == "idle" else None
         else:
             fields = {"error": move.error, "finished_at": now, "ack_deadline_at": None}
-            if move.to == Status.BUSY:
+            if move.to == Status.BUSY and not ours:
                 fields = {"error": move.error}
         out.append(Change(to=move.to, reason=move.reason[:200], actor="bridge",
                           message_id=key, fields=fields, heard=heard))
@@ -124,8 +137,8 @@ class _Batch:
     now: datetime
     rows: list[ReceivedRow] = field(default_factory=list)
     # id(reply row) → (the request key its topic and Correlation Data name, the task it
-    # names or "", what it does)
-    replies: dict[int, tuple[str, str, list[Move]]] = field(default_factory=dict)
+    # names or "", what it does, whether it came on the console's own Response Topic)
+    replies: dict[int, tuple[str, str, list[Move], bool]] = field(default_factory=dict)
     counts: Counter = field(default_factory=Counter)
 
 
@@ -164,15 +177,17 @@ def _short(value: Any, limit: int = 200) -> str | int | None:
 
 def _row(batch: _Batch, *, message_id: str, message_type: str, topic: str, headers: dict,
          task_id: str = "", from_agent: str = "", to_agent: str = "", conversation: str = "",
-         in_reply_to: str = "", deadline: datetime | None = None) -> ReceivedRow:
+         in_reply_to: str = "", deadline: datetime | None = None, payload: Any = None,
+         ours: bool = False) -> ReceivedRow:
     now = batch.now
     return ReceivedRow(
         message_id=message_id[:200], task_id=task_id[:200], idempotency_key="",
-        message_type=message_type, direction=Direction.OBSERVED, status=Status.OBSERVED,
+        message_type=message_type, direction=Direction.RECV if ours else Direction.OBSERVED,
+        status=Status.RECV if ours else Status.OBSERVED,
         from_agent_id=from_agent[:265], to_agent_id=to_agent[:265],
         target_node_id=PROFILE_NODE_ID, origin_node_id=PROFILE_NODE_ID,
         reply_node_id=PROFILE_NODE_ID, conversation_id=conversation[:200],
-        scene_group_id="", session_id="", topic=topic[:300], headers=headers, payload=None,
+        scene_group_id="", session_id="", topic=topic[:300], headers=headers, payload=payload,
         attempt=1, in_reply_to=in_reply_to[:200], created_at=now, updated_at=now,
         deadline_at=deadline)
 
@@ -243,12 +258,16 @@ def _reply(batch: _Batch, frame: ProfileFrame, doc: dict) -> None:
     if moves:
         headers["moves"] = [m.as_header() for m in moves]
     task = _task_of(doc)
+    # An answer to the console's own request is kept whole: it is the task's result, which
+    # the caller of the send asked for (messages/profile_send.py `profile_response`).
+    ours = frame.topic == console_reply_topic()
     # Each frame heard is a row, but a frame heard again (QoS 1, another bridge) is one.
     reply_id = f"{key}-{hashlib.sha256(frame.payload).hexdigest()[:16]}"
     row = _row(batch, message_id=reply_id, message_type=kind, topic=frame.topic,
-               headers=headers, task_id=task, from_agent=responder, in_reply_to=key)
+               headers=headers, task_id=task, from_agent=responder, in_reply_to=key,
+               payload=doc if ours else None, ours=ours)
     batch.rows.append(row)
-    batch.replies[id(row)] = (key, task, moves)
+    batch.replies[id(row)] = (key, task, moves, ours)
 
 
 def _task_of(doc: dict) -> str:
@@ -368,12 +387,12 @@ def profile_traffic_ingest(frames: list[ProfileFrame], *, now: datetime) -> Coun
         inserted = {id(row) for row in fresh}
         changes: list[Change] = []
         pushed: set[str] = set()
-        for row_id, (_, _, moves) in batch.replies.items():
+        for row_id, (_, _, moves, ours) in batch.replies.items():
             target = targets.get(row_id)
             if target is None:
                 continue
             if row_id in inserted:
-                changes += _changes(target, moves, now=now)
+                changes += _changes(target, moves, now=now, ours=ours)
             # Every item of a stream heard, a repeat too, moves an acknowledged request's
             # deadline on (an identical WORKING is stored once, but it is news).
             if any(m.to == Status.ACKED and m.deadline == "idle" for m in moves):
@@ -381,6 +400,15 @@ def profile_traffic_ingest(frames: list[ProfileFrame], *, now: datetime) -> Coun
         changes += _late_replies(fresh, inserted=inserted, now=now)
         applied = changes_apply(changes, now=now, ledger=ledger)
         batch.counts["stale_answers"] += applied.skipped
+        released: list[int] = []
+        if applied.freed:
+            # Answers to the console's own sends free their agents' slots: work held behind
+            # them goes now (messages/backpressure.py), as after a native answer.
+            released, undeliverable = held_release(agent_ids=applied.freed, now=now)
+            more = changes_apply(undeliverable, now=now, ledger=ledger)
+            applied.events += more.events
+            if released:
+                outbox_wake()
         if pushed:
             until = now + timedelta(milliseconds=settings.REACH_A2A_STREAM_IDLE_MS)
             Message.objects.filter(message_id__in=pushed, status=Status.ACKED,
@@ -442,7 +470,7 @@ def _targets(batch: _Batch) -> dict[int, str]:
     if not batch.replies:
         return {}
     wanted = set()
-    for key, task, _ in batch.replies.values():
+    for key, task, _, _ in batch.replies.values():
         wanted.add(key)
         if task:
             wanted.add(_task_suffixed(key, task))
@@ -453,9 +481,11 @@ def _targets(batch: _Batch) -> dict[int, str]:
                                                         "message_type")})
     out: dict[int, str] = {}
     rows = {id(r): r for r in batch.rows}
-    for row_id, (key, task, _) in batch.replies.items():
+    for row_id, (key, task, _, ours) in batch.replies.items():
         target = key
-        if task and key in known and known[key][0] != task:
+        # The console never uses a Correlation Data twice: a reply on its own topic answers
+        # the row its key names, whatever task id the agent gives it.
+        if task and not ours and key in known and known[key][0] != task:
             target = _task_suffixed(key, task)
         rows[row_id].in_reply_to = target
         if known.get(target, ("", ""))[1] == MT.TASK_REQUEST:

@@ -37,6 +37,9 @@ class Puback:
     at: datetime  # when the answer came: the row's published_at
     broker_refused: str = ""  # the broker's reason code, when it refused the publish
     not_sent: str = ""  # why it never reached the broker (it could not be encoded)
+    # A request's time to be answered from `at`, when not REACH_ACK_TIMEOUT_MS (the
+    # A2A-over-MQTT profile's first-reply timeout: messages/delivery.py ack_window_ms).
+    ack_ms: int = 0
 
     @property
     def refused(self) -> str:
@@ -72,7 +75,8 @@ def pubacks_apply(*, pubacks: list[Puback], release: list[str], now: datetime) -
             changes.append(Change(pk=answer.pk, to=Status.PUBLISHED, allowed=_SENT,
                                   actor="bridge", reason="PUBACK",
                                   fields={"published_at": answer.at, "publish_at": None,
-                                          "ack_deadline_at": ack_deadline(answer.at)}))
+                                          "ack_deadline_at": ack_deadline(
+                                              answer.at, ack_ms=answer.ack_ms)}))
         else:
             changes.append(Change(pk=answer.pk, to=Status.PUBLISHED, allowed=_SENT,
                                   actor="bridge", reason="PUBACK",

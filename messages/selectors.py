@@ -191,8 +191,11 @@ def filters_common(qs: QuerySet, flt: MessageFilter) -> QuerySet:
     if flt.namespace:
         # Not split like an agent: a namespace's prefix spans many agents, so one branch
         # would have to sort all of their rows; walking the timeline finds a page at once.
-        prefix = flt.namespace + "."
-        qs = qs.filter(Q(to_agent_id__startswith=prefix) | Q(from_agent_id__startswith=prefix))
+        # `fin.tax`, or an A2A-over-MQTT agent `acme/ops/echo` of org `acme`.
+        dotted, slashed = flt.namespace + ".", flt.namespace + "/"
+        qs = qs.filter(Q(to_agent_id__startswith=dotted) | Q(from_agent_id__startswith=dotted)
+                       | Q(to_agent_id__startswith=slashed)
+                       | Q(from_agent_id__startswith=slashed))
     if flt.conversation:
         qs = qs.filter(conversation_id=flt.conversation)
     if flt.task:

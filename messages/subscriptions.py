@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from messages import protocol
@@ -144,8 +145,13 @@ class IngestPlan:
         return [f"{self.profile_root}/{tree}/#" for tree in ("request", "reply", "event")]
 
     def profile_traffic(self) -> list[str]:
-        """The profile's requests, replies and events, observed in monitor mode."""
-        return self._profile_trees() if self.profile and self.monitor else []
+        """The profile's requests, replies and events, observed in monitor mode; without it,
+        the replies to the console's own requests only (messages/profile_send.py)."""
+        if not (self.profile and self.profile_root):
+            return []
+        if self.monitor:
+            return self._profile_trees()
+        return [f"{self.profile_root}/reply/{settings.REACH_A2A_REQUESTER}/replies"]
 
     def profile_heard(self) -> list[str]:
         """The profile's filters this bridge holds while it ingests."""

@@ -25,7 +25,7 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from messages.backpressure import held_release, loads_to_release, task_locks
-from messages.delivery import retry_or_give_up
+from messages.delivery import retry_or_give_up, silence_words
 from messages.events import events_on_commit
 from messages.models import OPEN_STATUSES, Change, Direction, Message, Status, Task, Transition
 from messages.outbound import RETRY_STORM, message_next_attempt
@@ -74,9 +74,9 @@ def _overdue(now: datetime, result: SweepResult) -> list[dict]:
         .order_by("ack_deadline_at")[:SWEEP_BATCH]
     )
     changes = []
-    silence = f"no ACK within {settings.REACH_ACK_TIMEOUT_MS} ms"
     published = frozenset({Status.PUBLISHED})
     for row in rows:
+        silence = silence_words(row)
         status, fields, why = retry_or_give_up(row, now=now)
         if status:
             changes.append(Change(pk=row.pk, to=status, allowed=published, actor="sweeper",

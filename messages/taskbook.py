@@ -54,8 +54,9 @@ def within_namespaces(qs: QuerySet[Task], namespaces: frozenset[str] | None) -> 
         return qs
     touched = Q(pk__in=[])
     for namespace in namespaces:
-        prefix = namespace + "."
-        touched |= Q(to_agent_id__startswith=prefix) | Q(from_agent_id__startswith=prefix)
+        # `fin.tax`, or an A2A-over-MQTT agent `acme/ops/echo` of org `acme`.
+        for prefix in (namespace + ".", namespace + "/"):
+            touched |= Q(to_agent_id__startswith=prefix) | Q(from_agent_id__startswith=prefix)
     return qs.filter(touched)
 
 

@@ -6,6 +6,7 @@ process on SQLite, an in-memory channel layer and Celery transport, and an embed
 
 from __future__ import annotations
 
+import re
 import secrets
 from pathlib import Path
 from urllib.parse import urlparse
@@ -297,6 +298,26 @@ if set(REACH_A2A_ROOT) & set("+#") or not REACH_A2A_ROOT.startswith("$"):
 # after a reply too (the profile's defaults, 15 s and 30 s).
 REACH_A2A_FIRST_REPLY_MS = env_int("REACH_A2A_FIRST_REPLY_MS", 15000, minimum=100)
 REACH_A2A_STREAM_IDLE_MS = env_int("REACH_A2A_STREAM_IDLE_MS", 30000, minimum=100)
+# The console as the profile's requester (messages/profile_send.py): its requester id
+# `{org}/{unit}/{agent}` (its replies come on `{root}/reply/{id}/replies`), and the profile's
+# retry rules: a first reply within REACH_A2A_FIRST_REPLY_MS or another attempt with fresh
+# Correlation Data, at most REACH_A2A_MAX_ATTEMPTS, after the backoffs (ms) with ±jitter; a
+# send without timeoutMs gets REACH_A2A_TIMEOUT_MS, room for every attempt.
+REACH_A2A_REQUESTER = env_str("REACH_A2A_REQUESTER", "reachconsole/ops/"
+                              + re.sub(r"[^A-Za-z0-9_.-]", "-", REACH_NODE_ID))
+_requester = REACH_A2A_REQUESTER.split("/")
+if len(_requester) != 3 or not all(re.fullmatch(r"[A-Za-z0-9_.-]+", p) for p in _requester):
+    raise ImproperlyConfigured(f"REACH_A2A_REQUESTER={REACH_A2A_REQUESTER!r}: the profile's "
+                               "{org}/{unit}/{agent}, each of A-Z a-z 0-9 _ . -")
+REACH_A2A_MAX_ATTEMPTS = env_int("REACH_A2A_MAX_ATTEMPTS", 3, minimum=1)
+try:
+    REACH_A2A_BACKOFF_MS = [max(0, int(v)) for v in env_list("REACH_A2A_BACKOFF_MS",
+                                                             "1000,2000,4000")] or [1000]
+except ValueError:
+    raise ImproperlyConfigured("REACH_A2A_BACKOFF_MS: milliseconds, comma-separated "
+                               "(the profile's are 1000,2000,4000)") from None
+REACH_A2A_JITTER = env_float("REACH_A2A_JITTER", 0.2, minimum=0.0)
+REACH_A2A_TIMEOUT_MS = env_int("REACH_A2A_TIMEOUT_MS", 120000, minimum=100)
 # The largest Agent Card taken (EMQX's A2A registry refuses larger by default too).
 REACH_A2A_CARD_MAX_BYTES = env_int("REACH_A2A_CARD_MAX_BYTES", 65536, minimum=1024)
 MQTT_MAX_QUEUED = env_int("MQTT_MAX_QUEUED", 10000, minimum=10)

@@ -68,6 +68,13 @@ def stored_agent_id(raw: Any) -> str:
     return profile_agent_id(raw) or agent_id_parse(raw).agent_id
 
 
+def agent_namespace(raw: Any) -> str:
+    """The namespace of what a caller typed as an agent id: a profile agent's org, a native
+    agent's namespace; InvalidAgentId for neither."""
+    profile = profile_agent_id(raw)
+    return profile.split("/", 1)[0] if profile else agent_id_parse(raw).namespace
+
+
 def node_id_check(raw: Any, *, field: str = "nodeId") -> str:
     if not isinstance(raw, str) or not NODE_ID_RE.fullmatch(raw):
         raise InvalidField(errors.NODE_ID_INVALID.format(field=field, raw=str(raw)[:100]))

@@ -225,3 +225,31 @@ def test_the_consoles_real_bridge_works_through_its_account(broker, settings):
     finally:
         node_a.close()
         bridge.stop()
+
+
+def test_the_console_sends_profile_requests_and_its_agents_answer_it_only(broker):
+    console = Client(broker, "console")
+    org = f"acl{uuid.uuid4().hex[:6]}"
+    agent_id, other_id = f"{org}/ops/echo", f"{org}/ops/other"
+    agent = Client(broker, "node-b", client_id=agent_id)
+    other = Client(broker, "node-a", client_id=other_id)
+    try:
+        # Each agent subscribes to the echo agent's requests and its own; Mosquitto delivers
+        # each only what it may read.
+        agent.subscribe(f"$a2a/v1/request/{agent_id}")
+        other.subscribe(f"$a2a/v1/request/{agent_id}", f"$a2a/v1/request/{other_id}")
+        console.publish(f"$a2a/v1/request/{agent_id}", b"for echo")
+        console.publish(f"$a2a/v1/request/{other_id}", b"marker")
+        assert agent.received_until(b"for echo") == [(f"$a2a/v1/request/{agent_id}",
+                                                      b"for echo")]
+        assert other.received_until(b"marker") == [(f"$a2a/v1/request/{other_id}", b"marker")]
+        # Replies: to the console's reply tree, not to another requester's.
+        console.subscribe("$a2a/v1/reply/#")
+        agent.publish(f"$a2a/v1/reply/{org}/ops/asker/s1", b"not the console's")
+        agent.publish("$a2a/v1/reply/reachconsole/ops/console/replies", b"answer")
+        assert console.received_until(b"answer") == [
+            ("$a2a/v1/reply/reachconsole/ops/console/replies", b"answer")]
+    finally:
+        console.close()
+        agent.close()
+        other.close()

@@ -225,16 +225,21 @@ def test_a_card_heard_before_the_one_applied_changes_nothing(now):
                       now=late + timedelta(seconds=9)) == "registered"
 
 
-def test_the_directory_does_not_route_native_work_to_a_profile_agent(now):
+def test_the_directory_routes_to_a_profile_agent_by_its_cards_word(now):
     card_apply(frame(), now=now)
     agent = Agent.objects.select_related("node", "namespace").get(agent_id="acme/ops/echo")
     judged = candidate_for(agent, now)
-    assert not judged.routable
-    assert judged.why == "speaks the A2A-over-MQTT profile, which native sends do not reach"
-    # By its capability segment (its agent id's last part): considered, named, not chosen.
+    assert judged.routable and judged.node_id == "a2a-mqtt"
+    assert judged.why == "live: its Agent Card is on the bus (A2A-over-MQTT)"
+    # By its capability segment (its agent id's last part), like any agent.
+    found = resolve(mention="echo", now=now)
+    assert (found.agent_id, found.node_id) == ("acme/ops/echo", "a2a-mqtt")
+    # Offline by its Last Will: considered, named, not chosen; no lease makes it live again.
+    card_apply(frame(status="offline", source="lwt"), now=now)
     found = resolve(mention="echo", now=now)
     assert found.agent_id is None
     assert [(c.agent_id, c.routable) for c in found.candidates] == [("acme/ops/echo", False)]
+    assert found.candidates[0].why.startswith("offline: its Agent Card says a2a-status=offline")
 
 
 def test_the_pages_show_a_profile_agent_beside_a_native_one(now):

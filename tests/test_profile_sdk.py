@@ -292,3 +292,69 @@ def test_requests_that_break_the_profile_are_flagged_from_bare_frames(v5, profil
         subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-h", v5.host, "-p", str(v5.port),
                         "-t", f"{PRIVATE_ROOT}/request/{org}/ops/echo", "-r", "-n"],
                        check=False, timeout=10)
+
+
+def test_a_console_send_to_an_sdk_responder_completes_with_its_artifact(
+        v5, profile_bridge, org, api):
+    from messages.models import Message
+
+    proc = agent_process(v5, org, "echo", "echo")
+    agent_id = f"{org}/ops/echo"
+    try:
+        eventually(lambda: agent_in(agent_id, status="ONLINE"), what="the card on the roster")
+        r = api.post("/api/a2a/send", {"to": agent_id, "payload": {"text": "from the console"},
+                                       "taskId": f"{org}-t1", "wait": True, "timeoutMs": 20000})
+        assert r.status_code == 200, r.content
+        body = r.json()
+        assert body["status"] == "COMPLETED" and body["messageId"].startswith("a2a-")
+        task = body["response"]["result"]["task"]
+        assert task["status"]["state"] == "TASK_STATE_COMPLETED"
+        assert [a["parts"] for a in task["artifacts"]] == [[{"text": "echo: from the console"}]]
+        # One row for the request: the bridge heard it go by on the request tree, and the
+        # row it would have made was the console's own. Its replies are the console's.
+        rows = Message.objects.filter(task_id=f"{org}-t1")
+        assert rows.filter(message_type="TASK_REQUEST").count() == 1
+        replies = rows.exclude(message_type="TASK_REQUEST")
+        assert set(replies.values_list("direction", flat=True)) == {"RECV"}
+        request = rows.get(message_type="TASK_REQUEST")
+        assert request.published_at is not None and request.acked_at is not None
+    finally:
+        stop_process(proc)
+
+
+def test_a_console_send_nobody_answers_is_retried_with_fresh_correlation_and_expires(
+        v5, profile_bridge, org, settings):
+    """A card on the bus, nobody behind it: the profile's three attempts, each published
+    with a Correlation Data of its own, then EXPIRED with the words why."""
+    from messages.models import Message
+    from messages.outbound import SendRequest, message_send
+    from messages.sweeps import deliveries_sweep
+
+    settings.REACH_A2A_FIRST_REPLY_MS = 500
+    settings.REACH_A2A_BACKOFF_MS = [100, 200]
+    agent_id = f"{org}/ops/mute"
+    card = json.dumps({"name": "Mute", "description": "answers nothing", "version": "1",
+                       "url": "mqtt://x", "capabilities": {}, "skills": [{"id": "mute"}],
+                       "defaultInputModes": ["text/plain"],
+                       "defaultOutputModes": ["text/plain"]})
+    subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-h", v5.host, "-p", str(v5.port), "-q",
+                    "1", "-r", "-t", f"$a2a/v1/discovery/{agent_id}", "-m", card],
+                   check=True, timeout=10)
+    eventually(lambda: agent_in(agent_id, status="ONLINE"), what="the card on the roster")
+    row = message_send(request=SendRequest(to=agent_id, payload={"text": "anyone?"},
+                                           task_id=f"{org}-mute", timeout_ms=30000))
+    assert row.status == "SENT"
+
+    def ended() -> bool:
+        deliveries_sweep()
+        rows = Message.objects.filter(task_id=f"{org}-mute", message_type="TASK_REQUEST")
+        return rows.filter(status="EXPIRED").exists()
+
+    eventually(ended, timeout=20, what="the last attempt EXPIRED")
+    attempts = list(Message.objects.filter(task_id=f"{org}-mute", message_type="TASK_REQUEST")
+                    .order_by("attempt"))
+    assert [(a.attempt, a.status) for a in attempts] == [(1, "RETRIED"), (2, "RETRIED"),
+                                                         (3, "EXPIRED")]
+    assert all(a.published_at for a in attempts)  # each went on the bus
+    assert len({a.headers["correlationData"] for a in attempts}) == 3
+    assert "3 attempts made, each with its own Correlation Data" in attempts[-1].error

@@ -330,8 +330,9 @@ def test_frames_the_console_cannot_read_are_counted_and_skipped(now, settings):
 
 @pytest.mark.parametrize(("profile", "monitor", "held", "unheld"), [
     (True, True, ["discovery", "request", "reply", "event"], []),
-    # Monitor mode off: the traffic is not observed, and an earlier run's filters go.
-    (True, False, ["discovery"], ["request", "reply", "event"]),
+    # Monitor mode off: the traffic is not observed, and an earlier run's filters go; the
+    # replies to the console's own requests are still heard (their topic only).
+    (True, False, ["discovery", "reply"], ["request", "reply", "event"]),
     (False, True, [], ["discovery", "request", "reply", "event"]),
 ])
 @pytest.mark.parametrize("setting", ["shared", "single"])
@@ -354,6 +355,9 @@ def test_what_a_bridge_subscribes_of_the_profile_and_what_it_lets_go(
     # A retained request keeps its flag (Retain As Published).
     assert all(o.retainAsPublished for t, o in subscribed if "/request/" in t)
     assert sorted(trees(plan.stale_filters())) == sorted(unheld)
+    if profile and not monitor:
+        assert [t for t, _ in subscribed if "/reply/" in t] == [
+            f"{ROOT}/reply/reachconsole/ops/console/replies"]
 
 
 def test_the_timeline_and_task_list_tell_the_dialects_apart_by_node(now):
