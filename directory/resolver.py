@@ -132,6 +132,11 @@ def candidate_for(agent: Agent | dict, now: datetime, *, accepted: bool = False)
     if row["dialect"] != Dialect.NATIVE:
         # An agent of the A2A-over-MQTT profile (messages/profile_send.py sends to it): no
         # lease and no heartbeat; its presence is what its retained card last said.
+        if not settings.REACH_A2A_PROFILE:
+            return Candidate(agent_id, node_id, status, False,
+                             "speaks the A2A-over-MQTT profile, which this console does not "
+                             "speak now (REACH_A2A_PROFILE=0): nothing would hear its replies",
+                             **common)
         if status == Agent.Status.OFFLINE:
             return Candidate(agent_id, node_id, status, False,
                              "offline: its Agent Card says a2a-status=offline (the broker's "

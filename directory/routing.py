@@ -18,7 +18,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from directory.resolver import Candidate, Resolution, candidate_for
-from roster.ids import profile_agent_id
+from roster.ids import profile_agent_id, profile_pool_id
 from roster.models import Agent, Namespace
 
 UnackedCounts = Callable[[list[str]], Mapping[str, int]]
@@ -35,7 +35,8 @@ def _next_turn(key: str) -> int:
 
 
 def namespace_of(agent_id: str | None) -> str | None:
-    if agent_id and profile_agent_id(agent_id):  # the A2A-over-MQTT profile's: its org
+    if agent_id and (profile_agent_id(agent_id) or profile_pool_id(agent_id)):
+        # The A2A-over-MQTT profile's agents and pools: their org.
         return agent_id.split("/", 1)[0]
     if not agent_id or "." not in agent_id:
         return None

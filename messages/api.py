@@ -44,7 +44,7 @@ from reachconsole.core.errors import ApiError
 from reachconsole.core.idle import db_then_idle
 from reachconsole.core.moments import utc_moment
 from roster.fields import AGENT_ID_INPUT_PATTERN, NAME, AgentIdInput, NodeId
-from roster.ids import agent_id_parse, agent_namespace, stored_agent_id
+from roster.ids import agent_id_parse, agent_namespace, profile_pool_id, stored_agent_id
 from roster.models import NAME_RE
 
 router = Router(tags=["a2a"])
@@ -53,7 +53,7 @@ ops_router = Router(tags=["ops"])
 
 # What `to` may be: an agent id, `@mention`, `capability:name` or `#group`.
 # ... or an A2A-over-MQTT profile agent's `org/unit/agent` (roster/ids.py PROFILE_ID_RE).
-_PROFILE_ID = r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+"
+_PROFILE_ID = r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+/(?:pool/)?[A-Za-z0-9_.-]+"
 TO_PATTERN = (rf"^(?:{CAPABILITY_PREFIX}{NAME}|#{NAME}|@.+|{_PROFILE_ID}|"
               rf"{AGENT_ID_INPUT_PATTERN.removeprefix('^').removesuffix('$')})$")
 
@@ -71,7 +71,7 @@ def _to_check(value: Any) -> Any:
         if not NAME_RE.fullmatch(value.removeprefix("#")):
             raise SendRefused(f"`{value[:60]}` is not a group: `#data-processing` (letters, "
                               "digits, '-', '_', '.')")
-    elif not value.startswith("@"):
+    elif not value.startswith("@") and not profile_pool_id(value):
         stored_agent_id(value)
     return value
 
@@ -85,8 +85,8 @@ class SendIn(BodyIn):
 
     to: Annotated[str, BeforeValidator(_to_check)] = Field(
         ..., max_length=265, pattern=TO_PATTERN,
-        description='"ns.agent", "org/unit/agent" (an A2A-over-MQTT agent), "@mention", '
-        '"capability:x" or "#group"')
+        description='"ns.agent", "org/unit/agent" or "org/unit/pool/name" (an A2A-over-MQTT '
+        'agent or pool), "@mention", "capability:x" or "#group"')
     payload: JsonValue = None
     task_id: str | None = Field(None, alias="taskId", max_length=120)
     target_node_id: NodeId | None = Field(None, alias="targetNodeId")
@@ -355,6 +355,8 @@ class TaskQuery(Schema):
     status: list[TaskStatus] = Field(default_factory=list, description="repeatable")
     agent: str = Field("", max_length=265, description="to or from")
     node: str = Field("", max_length=128)
+    dialect: Literal["native", "a2a-mqtt"] | None = Field(
+        None, description="native, or a2a-mqtt (the A2A-over-MQTT profile's traffic)")
     namespace: str = Field("", max_length=100)
     since: Moment = Field("", description="minutes back (60), hours or days back (6h, 7d), "
                           "or a UTC date-time (2026-11-30T14:00)")
@@ -373,7 +375,7 @@ def _task_filter(query: TaskQuery) -> MessageFilter:
     get = QueryDict(mutable=True)
     for status in query.status:
         get.appendlist("status", status)
-    for name in ("agent", "node", "namespace", "since", "until", "direction", "q"):
+    for name in ("agent", "node", "dialect", "namespace", "since", "until", "direction", "q"):
         # Every value reached here through the schema; the filter reads it as the page does.
         value = getattr(query, name)
         if value:

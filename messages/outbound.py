@@ -29,13 +29,13 @@ from messages.models import (
     Transition,
 )
 from messages.outbox import outbox_wake
-from messages.profile_send import is_profile_row, profile_request_shape
+from messages.profile_send import is_profile_row, pool_resolution, profile_request_shape
 from messages.rows import local_response_row, request_row, row_encode, row_log_fields
 from messages.state import atomic_retrying
 from reachconsole.core.audit import audit_record
 from reachconsole.core.errors import ConsoleError
 from reachconsole.core.metrics import counters_add
-from roster.ids import stored_agent_id
+from roster.ids import profile_pool_id, stored_agent_id
 from roster.models import PROFILE_NODE_ID
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,12 @@ def _resolve_target(request: SendRequest, now: datetime) -> tuple[str, Resolutio
                              namespaces=request.within, now=now)
         _refuse_outside(request, resolution.agent_id)  # never outside: resolve() keeps in
         return resolution.agent_id or to, resolution
+    pool = profile_pool_id(to)
+    if pool:
+        # An A2A-over-MQTT pool, or the member that answered this task before.
+        _refuse_outside(request, pool)
+        resolution = pool_resolution(pool_id=pool, task_id=request.task_id)
+        return resolution.agent_id or pool, resolution
     agent_id = stored_agent_id(to)  # `fin.tax`, `fin/tax`, or a profile's `org/unit/agent`
     _refuse_outside(request, agent_id)
     return agent_id, resolve_agent_node(to_agent_id=agent_id,

@@ -17,6 +17,10 @@ cancel, audit), shaped here for the profile's wire:
   this dialect).
 - Its answer, for `wait: true` and the API, is the task as the profile delivered it: the
   final reply's result, with the artifacts streamed before it (`profile_response`).
+- A pool (`{org}/{unit}/pool/{pool}`) is sent to on its shared request topic; the member that
+  answered names itself (`a2a-responder-agent-id`), and what follows for that task (another
+  send of it, a retry, a resend, CancelTask) goes to that member's own request topic, as the
+  profile says (`pool_resolution`, `task_responder`).
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ from typing import Any
 
 from django.conf import settings
 
+from directory.resolver import Candidate, Resolution
 from messages.models import Direction, Message, Status
-from messages.profile_traffic import DIALECT, console_reply_topic, request_key
+from messages.profile_traffic import DIALECT, RESPONDER_PROPERTY, console_reply_topic, request_key
 from messages.protocol import MessageType, PayloadTooLarge
+from roster.ids import PROFILE_ID_RE, profile_agent_id, profile_pool_id
+from roster.models import PROFILE_NODE_ID
 
 MT = MessageType
 
@@ -54,6 +61,8 @@ def _shape(row: Message, *, method: str) -> None:
     topic = reply_topic()
     row.message_id = request_key(topic, correlation.encode())
     row.topic = request_topic(row.to_agent_id)
+    if profile_pool_id(row.to_agent_id):
+        row.headers = {**(row.headers or {}), "pool": row.to_agent_id}
     row.headers = {**(row.headers or {}), "dialect": DIALECT, "method": method,
                    "jsonrpcId": row.message_id, "responseTopic": topic,
                    "correlationData": correlation.encode().hex(),
@@ -72,14 +81,60 @@ def profile_request_shape(row: Message, *, timeout_given: bool, now: datetime) -
     profile_encode(row)
 
 
+def task_responder(*, task_id: str, pool: str) -> str | None:
+    """The member of `pool` that answered the console's requests of `task_id` last (its
+    replies' `a2a-responder-agent-id`), as `{org}/{unit}/{agent}`; None before any named
+    itself."""
+    if not task_id:
+        return None
+    # By the console's own requests of the task: a pool's member may give the task an id of
+    # its own in its replies.
+    asked = list(Message.objects.filter(task_id=task_id, direction=Direction.SEND,
+                                        message_type=MT.TASK_REQUEST)
+                 .values_list("message_id", flat=True)[:100])
+    if not asked:
+        return None
+    last = (Message.objects.filter(in_reply_to__in=asked, direction=Direction.RECV,
+                                   headers__has_key="responder")
+            .order_by("-id").values_list("headers", flat=True).first())
+    value = str((last or {}).get("responder", ""))
+    if profile_agent_id(value):
+        return value
+    if PROFILE_ID_RE.fullmatch(value):  # the profile's value: the member's own agent id
+        org, unit = pool.split("/")[:2]
+        return f"{org}/{unit}/{value}"
+    return None
+
+
+def pool_resolution(*, pool_id: str, task_id: str | None) -> Resolution:
+    """Where a send to a pool goes: the member that answered this task before (follow-ups
+    are the profile's direct traffic), else the pool's shared topic, whose members the
+    console cannot know (a pool no member listens to is silence: the first-reply timeout
+    and the retries end it, with words)."""
+    org = pool_id.split("/", 1)[0]
+    responder = task_responder(task_id=task_id or "", pool=pool_id)
+    if responder:
+        why = (f"answered task {task_id} for {pool_id} ({RESPONDER_PROPERTY}): the "
+               "task's follow-ups go to it")
+        return Resolution(responder, PROFILE_NODE_ID, "pool", f"{pool_id} → {responder}",
+                          [Candidate(responder, PROFILE_NODE_ID, "ONLINE", True, why, org,
+                                     chosen=True)])
+    return Resolution(pool_id, PROFILE_NODE_ID, "pool",
+                      f"pool {pool_id}: the broker hands the request to one member")
+
+
 def profile_cancel_row(*, request: Message, now: datetime) -> Message:
     """The `CancelTask` that tells a profile agent a task of ours is canceled: published to
-    its request topic like a request, with a Correlation Data of its own (its reply is
-    recorded on the trace and moves nothing)."""
+    its request topic like a request (to a pool's member that answered the task, when one
+    did), with a Correlation Data of its own (its reply is recorded on the trace and moves
+    nothing)."""
+    pool = profile_pool_id(request.to_agent_id)
+    to = (task_responder(task_id=request.task_id, pool=pool) if pool else None) or (
+        request.to_agent_id)
     row = Message(
         task_id=request.task_id, idempotency_key="", message_type=MT.CANCEL,
         direction=Direction.SEND, status=Status.SENT,
-        from_agent_id=request.from_agent_id, to_agent_id=request.to_agent_id,
+        from_agent_id=request.from_agent_id, to_agent_id=to,
         target_node_id=request.target_node_id, origin_node_id=request.origin_node_id,
         reply_node_id=request.reply_node_id, conversation_id=request.conversation_id,
         headers={"cancelFor": request.task_id}, payload={"id": request.task_id},

@@ -301,7 +301,10 @@ def _reply_meaning(doc: dict) -> tuple[str, list[Move], str]:
     result = _dict(doc.get("result"))
     if isinstance(result.get("artifactUpdate"), dict):
         artifact = _dict(result["artifactUpdate"].get("artifact"))
-        return MT.EVENT, [], f"artifact {_short(artifact.get('artifactId'), 80) or ''}"
+        # An item of the stream: the responder has the request (an artifact may come
+        # before any status), and the stream goes on.
+        return MT.EVENT, [Move(Status.ACKED, "artifact", deadline="idle")], (
+            f"artifact {_short(artifact.get('artifactId'), 80) or ''}")
     stream = "idle"
     if isinstance(result.get("statusUpdate"), dict):
         state = _state(result["statusUpdate"])

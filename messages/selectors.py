@@ -29,6 +29,7 @@ from messages.partitions import history_partitioned, history_since, pk_floor, pk
 from messages.protocol import MessageType
 from reachconsole.core.errors import ConsoleError
 from reachconsole.core.moments import utc_moment
+from roster.models import PROFILE_NODE_ID
 
 # Presets of the timeline's time window, in minutes back from now.
 SINCE_PRESETS = {"15": "15 min", "60": "1 h", "360": "6 h", "1440": "24 h", "10080": "7 days"}
@@ -74,6 +75,9 @@ def _text(get, name: str, limit: int) -> str:
     return (get.get(name) or "").strip()[:limit]
 
 
+DIALECTS = ("native", "a2a-mqtt")
+
+
 @dataclass(frozen=True)
 class MessageFilter:
     """The timeline's filters, as they come in a URL; every one narrows the set."""
@@ -83,6 +87,9 @@ class MessageFilter:
     direction: str = ""
     agent: str = ""  # as sender or receiver
     node: str = ""  # the node it was sent to
+    # "native" or "a2a-mqtt": every row of the A2A-over-MQTT profile is on its node
+    # (roster.models.PROFILE_NODE_ID), so the dialect is told by the node column.
+    dialect: str = ""
     namespace: str = ""  # of the sender or the receiver
     conversation: str = ""
     task: str = ""
@@ -115,6 +122,10 @@ class MessageFilter:
         if direction and direction not in Direction.values:
             raise FilterError(f"There is no direction {direction!r}; the directions are "
                               f"{', '.join(Direction.values)}.")
+        dialect = _text(get, "dialect", 20).lower()
+        if dialect and dialect not in DIALECTS:
+            raise FilterError(f"There is no dialect {dialect!r}; the dialects are "
+                              f"{', '.join(DIALECTS)}.")
         since, until = _text(get, "since", 40), _text(get, "until", 40)
         since_at, until_at = _when("since", since, now), _when("until", until, now)
         if since_at and until_at and since_at > until_at:
@@ -123,6 +134,7 @@ class MessageFilter:
                               "match.")
         return cls(statuses=tuple(statuses), message_type=message_type, direction=direction,
                    agent=_text(get, "agent", 265), node=_text(get, "node", 128),
+                   dialect=dialect,
                    namespace=_text(get, "namespace", 100).rstrip("."),
                    conversation=_text(get, "conversation", 200), task=_text(get, "task", 200),
                    q=_text(get, "q", 200), error=_text(get, "error", 200),
@@ -133,7 +145,7 @@ class MessageFilter:
         pairs = [("status", s) for s in self.statuses]
         pairs += [(name, value) for name, value in (
             ("type", self.message_type), ("direction", self.direction), ("agent", self.agent),
-            ("node", self.node), ("namespace", self.namespace),
+            ("node", self.node), ("dialect", self.dialect), ("namespace", self.namespace),
             ("conversation", self.conversation), ("task", self.task), ("q", self.q),
             ("error", self.error), ("since", self.since), ("until", self.until)) if value]
         return pairs
@@ -150,6 +162,7 @@ class MessageFilter:
         far as an event's fields can say (see `client_can_tell`)."""
         return {"statuses": list(self.statuses), "type": self.message_type,
                 "direction": self.direction, "agent": self.agent, "node": self.node,
+                "dialect": self.dialect, "profileNode": PROFILE_NODE_ID,
                 "namespace": self.namespace, "conversation": self.conversation,
                 "task": self.task, "q": self.q, "error": self.error,
                 "until": self.until_at.isoformat() if self.until_at else ""}
@@ -188,6 +201,10 @@ def filters_common(qs: QuerySet, flt: MessageFilter) -> QuerySet:
         qs = qs.filter(direction=flt.direction)
     if flt.node:
         qs = qs.filter(target_node_id=flt.node)
+    if flt.dialect == "a2a-mqtt":
+        qs = qs.filter(target_node_id=PROFILE_NODE_ID)
+    elif flt.dialect == "native":
+        qs = qs.exclude(target_node_id=PROFILE_NODE_ID)
     if flt.namespace:
         # Not split like an agent: a namespace's prefix spans many agents, so one branch
         # would have to sort all of their rows; walking the timeline finds a page at once.

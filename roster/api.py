@@ -21,6 +21,7 @@ from roster.fields import (
     Groups,
     MaxInflight,
     NodeId,
+    RosterAgentId,
 )
 from roster.hearing import bus_hearing
 from roster.models import CONSOLE_AGENTS, Agent, ClusterNode, Consistency, is_console_agent
@@ -195,11 +196,11 @@ def _lease_out(lease: services.Lease) -> dict[str, Any]:
 def _existing_agent(request: HttpRequest, agent_id: str, *, action: str = "") -> Agent:
     """The agent named in the path, after the caller's namespace and actor are checked; with
     an `action` (a change), also that it is not one of the console's own agents."""
-    ref = ids.agent_id_parse(agent_id)
-    request.auth.require_namespace(ref.namespace)
-    agent = Agent.objects.select_related("node", "namespace").filter(agent_id=ref.agent_id).first()
+    stored = ids.stored_agent_id(agent_id)  # `fin/tax` → `fin.tax`; a profile id as it is
+    request.auth.require_namespace(ids.agent_namespace(agent_id))
+    agent = Agent.objects.select_related("node", "namespace").filter(agent_id=stored).first()
     if agent is None:
-        raise AgentNotFound(errors.AGENT_NOT_FOUND.format(agent_id=ref.agent_id))
+        raise AgentNotFound(errors.AGENT_NOT_FOUND.format(agent_id=stored))
     actor = request.auth.actor
     if action and actor and agent.owner and agent.owner != actor:
         raise NotOwner(errors.NOT_OWNER.format(agent_id=agent.agent_id, owner=agent.owner,
@@ -285,8 +286,11 @@ def agents_list(
     return Status(200, [_agent_out(agent, now) for agent in page])
 
 
-@router.get("/agents/{agent_id}", response={200: AgentOut, **refusals(404)}, by_alias=True)
-def agent_detail(request: HttpRequest, agent_id: AgentId):
+# `{agent:agent_id}`: a profile agent's id has slashes (roster/converters.py). The same path
+# for the GET and the DELETE: Django stops at the first address that matches.
+@router.get("/agents/{agent:agent_id}", response={200: AgentOut, **refusals(404)},
+            by_alias=True)
+def agent_detail(request: HttpRequest, agent_id: RosterAgentId):
     return Status(200, _agent_out(_existing_agent(request, agent_id), timezone.now()))
 
 
@@ -322,9 +326,9 @@ def undrain(request: HttpRequest, agent_id: AgentId):
     return Status(200, _agent_out(agent, timezone.now()))
 
 
-@router.delete("/agents/{agent_id}", response={200: DeregisteredOut, **refusals(404)},
+@router.delete("/agents/{agent:agent_id}", response={200: DeregisteredOut, **refusals(404)},
                by_alias=True)
-def deregister(request: HttpRequest, agent_id: AgentId):
+def deregister(request: HttpRequest, agent_id: RosterAgentId):
     agent = _existing_agent(request, agent_id, action="deregister")
     node_id = services.agent_deregister(agent_id=agent.agent_id, actor=request.auth.label)
     return Status(200, {"agent_id": agent.agent_id, "node_id": node_id})

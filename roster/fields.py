@@ -22,6 +22,7 @@ from roster.ids import (
     MAX_LABELS,
     agent_id_parse,
     node_id_check,
+    stored_agent_id,
 )
 from roster.models import NAME_RE, NAMESPACE_RE, NODE_ID_RE
 
@@ -71,6 +72,17 @@ AgentId = Annotated[
     Field(pattern=AGENT_ID_PATTERN, max_length=AGENT_ID_MAX_LENGTH,
           description="`namespace.name`, e.g. `fin.tax`", examples=["fin.tax"]),
     _checked(agent_id_parse),
+]
+# An agent as the roster stores it: native `fin.tax`, or an A2A-over-MQTT profile agent
+# `acme/ops/echo` (in a path, through the `agent` converter: roster/converters.py).
+RosterAgentId = Annotated[
+    str,
+    Field(pattern=rf"^(?:{AGENT_ID_PATTERN.removeprefix('^').removesuffix('$')}|"
+                  r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)$",
+          max_length=AGENT_ID_MAX_LENGTH,
+          description="`namespace.name`, or an A2A-over-MQTT agent's `org/unit/agent`",
+          examples=["fin.tax", "acme/ops/echo"]),
+    _checked(stored_agent_id),
 ]
 AgentIdInput = Annotated[
     str,

@@ -62,6 +62,19 @@ def profile_agent_id(raw: Any) -> str | None:
     return None
 
 
+def profile_pool_id(raw: Any) -> str | None:
+    """`acme/ops/pool/sum` (a pool of the A2A-over-MQTT profile: its members share the
+    request topic, and the broker hands each request to one), or None when `raw` is not
+    one."""
+    if not isinstance(raw, str) or len(raw) > AGENT_ID_MAX_LENGTH:
+        return None
+    parts = raw.split("/")
+    if len(parts) == 4 and parts[2] == "pool" and all(PROFILE_ID_RE.fullmatch(p)
+                                                      for p in parts):
+        return raw
+    return None
+
+
 def stored_agent_id(raw: Any) -> str:
     """The roster's id for what a caller typed: a profile agent's id as it is, a native one
     parsed (`fin/tax` → `fin.tax`); InvalidAgentId for neither."""
@@ -71,7 +84,7 @@ def stored_agent_id(raw: Any) -> str:
 def agent_namespace(raw: Any) -> str:
     """The namespace of what a caller typed as an agent id: a profile agent's org, a native
     agent's namespace; InvalidAgentId for neither."""
-    profile = profile_agent_id(raw)
+    profile = profile_agent_id(raw) or profile_pool_id(raw)
     return profile.split("/", 1)[0] if profile else agent_id_parse(raw).namespace
 
 

@@ -165,6 +165,9 @@ class RosterCounts:
     offline: int
     stale: int
     expired_last_hour: int
+    # Of the above, the agents of the A2A-over-MQTT profile (their presence is their card's).
+    profile_online: int = 0
+    profile_offline: int = 0
 
 
 def roster_counts(*, now: datetime | None = None) -> RosterCounts:
@@ -174,6 +177,10 @@ def roster_counts(*, now: datetime | None = None) -> RosterCounts:
         draining=Count("id", filter=Q(status=Agent.Status.DRAINING)),
         offline=Count("id", filter=Q(status=Agent.Status.OFFLINE)),
         stale=Count("id", filter=_stale_q(now)),
+        profile_online=Count("id", filter=Q(dialect=Dialect.A2A_MQTT,
+                                            status=Agent.Status.ONLINE)),
+        profile_offline=Count("id", filter=Q(dialect=Dialect.A2A_MQTT,
+                                             status=Agent.Status.OFFLINE)),
     )
     expired = RosterEvent.objects.filter(
         kind__in=[RosterEvent.Kind.EXPIRED, RosterEvent.Kind.REMOVED],

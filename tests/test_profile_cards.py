@@ -225,8 +225,13 @@ def test_a_card_heard_before_the_one_applied_changes_nothing(now):
                       now=late + timedelta(seconds=9)) == "registered"
 
 
-def test_the_directory_routes_to_a_profile_agent_by_its_cards_word(now):
+def test_the_directory_routes_to_a_profile_agent_by_its_cards_word(now, settings):
     card_apply(frame(), now=now)
+    # A console that does not speak the profile now would hear none of its replies.
+    settings.REACH_A2A_PROFILE = False
+    judged = candidate_for(Agent.objects.get(agent_id="acme/ops/echo"), now)
+    assert not judged.routable and "REACH_A2A_PROFILE=0" in judged.why
+    settings.REACH_A2A_PROFILE = True
     agent = Agent.objects.select_related("node", "namespace").get(agent_id="acme/ops/echo")
     judged = candidate_for(agent, now)
     assert judged.routable and judged.node_id == "a2a-mqtt"
@@ -307,3 +312,33 @@ def test_the_agent_pages_parts_answer_for_a_profile_agent(now):
                  "/directory/agents/acme/ops/echo/names/"):
         answer = client.get(path)
         assert answer.status_code == 200, (path, answer.status_code)
+
+
+def test_the_api_reads_and_deregisters_a_profile_agent_by_its_slashed_id(now, api):
+    card_apply(frame(), now=now)
+    register("fin.tax", "node-a", now=now)
+    one = api.get("/api/roster/agents/acme/ops/echo")
+    assert one.status_code == 200, one.content
+    assert (one.json()["agentId"], one.json()["dialect"]) == ("acme/ops/echo", "a2a-mqtt")
+    # Native ids and their actions are where they were.
+    assert api.get("/api/roster/agents/fin.tax").json()["agentId"] == "fin.tax"
+    assert api.post("/api/roster/agents/fin.tax/drain").status_code == 200
+    assert api.get("/api/roster/agents/acme/ops/nobody").status_code == 404
+    assert api.get("/api/roster/agents/acme/ops").status_code == 404
+    gone = api.delete("/api/roster/agents/acme/ops/echo")
+    assert gone.status_code == 200, gone.content
+    assert not Agent.objects.filter(agent_id="acme/ops/echo").exists()
+
+
+def test_the_overview_counts_the_profiles_agents_beside_the_rest(now):
+    from tests.conftest import logged_in, reader
+
+    card_apply(frame(), now=now)
+    card_apply(frame(topic="$a2a/v1/discovery/acme/ops/mute", status="offline", source="lwt"),
+               now=now)
+    register("fin.tax", "node-a", now=now)
+    page = logged_in(reader("otto", password="pw-otto-1234567")).get("/overview/")
+    html = page.content.decode()
+    assert '<b data-agents="profile-online">1</b> online' in html
+    assert '<b data-agents="profile-offline">1</b> offline' in html
+    assert '<b data-agents="online">2</b> online' in html  # both dialects in the totals

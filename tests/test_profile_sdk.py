@@ -358,3 +358,70 @@ def test_a_console_send_nobody_answers_is_retried_with_fresh_correlation_and_exp
     assert all(a.published_at for a in attempts)  # each went on the bus
     assert len({a.headers["correlationData"] for a in attempts}) == 3
     assert "3 attempts made, each with its own Correlation Data" in attempts[-1].error
+
+
+class PoolMember:
+    """A member of a pool, written on paho as the profile says (the SDK has no pools): it
+    takes requests on the pool's topic and on its own, and answers each naming itself with
+    `a2a-responder-agent-id`. Subscribed plainly: Mosquitto 2.0 delivers nothing through a
+    shared filter of a `$` tree, so this one member is the whole pool."""
+
+    def __init__(self, broker, org: str, member: str, pool: str):
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        self.asked: list[tuple[str, str]] = []  # (topic, text)
+        self._props = lambda: Properties(PacketTypes.PUBLISH)
+        self.member = member
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
+                                  client_id=f"{org}/ops/{member}", protocol=mqtt.MQTTv5)
+        self.client.on_message = self._answer
+        self.client.connect(broker.host, broker.port)
+        self.client.loop_start()
+        for topic in (f"$a2a/v1/request/{org}/ops/pool/{pool}",
+                      f"$a2a/v1/request/{org}/ops/{member}"):
+            self.client.subscribe(topic, qos=1)
+
+    def _answer(self, client, userdata, message) -> None:
+        request = json.loads(message.payload)
+        text = request["params"]["message"]["parts"][0]["text"]
+        self.asked.append((message.topic, text))
+        task = request["params"]["message"]["taskId"]
+        props = self._props()
+        props.CorrelationData = message.properties.CorrelationData
+        props.UserProperty = [("a2a-responder-agent-id", self.member)]
+        body = {"jsonrpc": "2.0", "id": request["id"], "result": {"statusUpdate": {
+            "taskId": task, "status": {"state": "TASK_STATE_COMPLETED"}}}}
+        client.publish(message.properties.ResponseTopic, json.dumps(body), qos=1,
+                       properties=props)
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def test_a_pool_send_is_answered_by_a_member_and_the_follow_up_goes_to_it(
+        v5, profile_bridge, org, api):
+    from messages.models import Message
+
+    member = PoolMember(v5, org, "worker-1", "sum")
+    try:
+        time.sleep(0.5)  # its subscriptions are through
+        first = api.post("/api/a2a/send", {"to": f"{org}/ops/pool/sum", "taskId": f"{org}-p",
+                                           "payload": {"text": "1+1"}, "wait": True,
+                                           "timeoutMs": 20000})
+        assert first.status_code == 200, first.content
+        assert first.json()["status"] == "COMPLETED"
+        again = api.post("/api/a2a/send", {"to": f"{org}/ops/pool/sum", "taskId": f"{org}-p",
+                                           "payload": {"text": "and 2"}, "wait": True,
+                                           "timeoutMs": 20000})
+        assert again.status_code == 200, again.content
+        assert again.json()["toAgentId"] == f"{org}/ops/worker-1"
+        assert member.asked == [(f"$a2a/v1/request/{org}/ops/pool/sum", "1+1"),
+                                (f"$a2a/v1/request/{org}/ops/worker-1", "and 2")]
+        replies = Message.objects.filter(task_id=f"{org}-p", direction="RECV")
+        assert {r.headers.get("responder") for r in replies} == {"worker-1"}
+        assert not any(r.headers.get("violations") for r in replies)
+    finally:
+        member.close()

@@ -34,6 +34,11 @@ AGENT = "acme/ops/echo"
 CONSOLE_REPLY = "$a2a/v1/reply/reachconsole/ops/console/replies"
 
 
+@pytest.fixture(autouse=True)
+def _profile_on(settings):
+    settings.REACH_A2A_PROFILE = True
+
+
 def sent(now, **fields) -> Message:
     card_apply(frame(), now=now)
     return message_send(request=SendRequest(to=AGENT, **{"payload": {"text": "hi"},
@@ -235,3 +240,56 @@ def test_the_api_sends_to_a_profile_id_and_a_bound_token_keeps_to_its_org(now, a
     r = bound.post("/api/a2a/send", {"to": "other/ops/echo"})
     assert r.status_code == 403, r.content
     assert Message.objects.filter(to_agent_id="other/ops/echo").count() == 0
+
+
+def named(frame_: ProfileFrame, responder: str) -> ProfileFrame:
+    return ProfileFrame(frame_.topic, frame_.payload, user=(("a2a-responder-agent-id",
+                                                             responder),),
+                        correlation=frame_.correlation)
+
+
+def test_a_pool_send_then_its_follow_ups_go_to_the_member_that_answered(now):
+    pool = "acme/ops/pool/sum"
+    row = published(message_send(request=SendRequest(to=pool, payload={"text": "add"},
+                                                     task_id="t-pool"), now=now), now)
+    # No roster entry for a pool: its shared topic, the broker picks the member.
+    assert (row.status, row.to_agent_id, row.topic) == ("PUBLISHED", pool,
+                                                        "$a2a/v1/request/acme/ops/pool/sum")
+    assert row.headers["pool"] == pool and row.resolution["level"] == "pool"
+    # The member answers naming itself, with a task id of its own making.
+    waiting = {"statusUpdate": {"taskId": "srv-9", "status": {
+        "state": "TASK_STATE_INPUT_REQUIRED"}}}
+    profile_traffic_ingest([named(reply(row, waiting), "worker-1")], now=now)
+    row.refresh_from_db()
+    assert row.status == "ACKED"
+    # The task's next send goes to that member's own request topic, not the pool's.
+    follow = message_send(request=SendRequest(to=pool, payload={"text": "and 2"},
+                                              task_id="t-pool"), now=now)
+    assert (follow.to_agent_id, follow.topic) == ("acme/ops/worker-1",
+                                                  "$a2a/v1/request/acme/ops/worker-1")
+    assert follow.resolution["target"] == pool
+    assert follow.resolution["candidates"][0]["why"].startswith(
+        "answered task t-pool for acme/ops/pool/sum (a2a-responder-agent-id)")
+    # ... and so does its CancelTask.
+    task_cancel(task_id="t-pool", by="olga", now=now)
+    told = Message.objects.get(task_id="t-pool", message_type="CANCEL")
+    assert told.topic == "$a2a/v1/request/acme/ops/worker-1"
+
+
+def test_a_pooled_reply_that_does_not_name_its_member_is_flagged(now):
+    row = published(message_send(request=SendRequest(to="acme/ops/pool/sum", task_id="t-anon"),
+                                 now=now), now)
+    counts = profile_traffic_ingest([reply(row, state("t-anon", "TASK_STATE_COMPLETED"))],
+                                    now=now)
+    assert counts["profile_violations:pooled_reply_without_responder"] == 1
+    answer = Message.objects.get(in_reply_to=row.message_id)
+    assert answer.headers["violations"] == ["pooled_reply_without_responder"]
+
+
+def test_an_artifact_before_any_status_acknowledges_the_request(now):
+    row = published(sent(now), now)
+    artifact = {"artifactUpdate": {"taskId": "t-p", "artifact": {"artifactId": "a0",
+                                                                 "parts": [{"text": "…"}]}}}
+    profile_traffic_ingest([reply(row, artifact)], now=now)
+    row.refresh_from_db()
+    assert row.status == "ACKED" and row.ack_deadline_at is None

@@ -380,3 +380,32 @@ def test_the_timeline_and_task_list_tell_the_dialects_apart_by_node(now):
         assert ours in both and theirs in both
         profile = viewer.get(path, {"node": "a2a-mqtt"}).content.decode()
         assert theirs in profile and ours not in profile
+
+
+def test_the_lists_and_the_api_filter_by_dialect_and_show_it(now, api):
+    from messages.outbound import SendRequest, message_send
+    from tests.conftest import logged_in, reader, register
+
+    register("fin.tax", "node-a", now=now)
+    native = message_send(request=SendRequest(to="fin.tax", task_id="t-native"))
+    task = str(uuid.uuid4())
+    profile_traffic_ingest([request(task)], now=now)
+    observed = the_request(task)
+    viewer = logged_in(reader("vera", password="pw-vera-1234567"))
+    for path, ours, theirs in (("/messages/", native.message_id, observed.message_id),
+                               ("/tasks/", "t-native", task)):
+        profile = viewer.get(path, {"dialect": "a2a-mqtt"}).content.decode()
+        assert theirs in profile and ours not in profile
+        assert 'data-dialect="a2a-mqtt"' in profile
+        plain = viewer.get(path, {"dialect": "native"}).content.decode()
+        assert ours in plain and theirs not in plain
+        assert 'data-dialect="a2a-mqtt"' not in plain.split("<tbody", 1)[-1]
+    assert [t["taskId"] for t in api.get("/api/a2a/tasks", {"dialect": "a2a-mqtt"}).json()] == [
+        task]
+    assert [t["taskId"] for t in api.get("/api/a2a/tasks", {"dialect": "native"}).json()] == [
+        "t-native"]
+    wrong = api.get("/api/a2a/tasks", {"dialect": "mqtt"})
+    assert wrong.status_code == 422, wrong.content
+    page = viewer.get("/messages/", {"dialect": "mqtt"})
+    assert page.status_code == 400
+    assert "the dialects are native, a2a-mqtt" in page.content.decode()

@@ -139,10 +139,15 @@
     if (f.direction && ev.direction !== f.direction) return false;
     if (f.agent && ev.toAgentId !== f.agent && ev.fromAgentId !== f.agent) return false;
     if (f.node && ev.targetNodeId !== f.node) return false;
+    // The A2A-over-MQTT profile's rows are all on its node (f.profileNode).
+    if (f.dialect === "a2a-mqtt" && ev.targetNodeId !== f.profileNode) return false;
+    if (f.dialect === "native" && ev.targetNodeId === f.profileNode) return false;
     if (f.namespace) {
-      var prefix = f.namespace + ".";
-      if ((ev.toAgentId || "").indexOf(prefix) !== 0 &&
-          (ev.fromAgentId || "").indexOf(prefix) !== 0) return false;
+      // `fin.tax`, or a profile agent `acme/ops/echo` of org `acme`.
+      var dotted = f.namespace + ".", slashed = f.namespace + "/";
+      var to = ev.toAgentId || "", from = ev.fromAgentId || "";
+      if (to.indexOf(dotted) !== 0 && from.indexOf(dotted) !== 0 &&
+          to.indexOf(slashed) !== 0 && from.indexOf(slashed) !== 0) return false;
     }
     if (f.conversation && ev.conversationId !== f.conversation) return false;
     if (f.task && ev.taskId !== f.task) return false;
