@@ -477,11 +477,14 @@ def _targets(batch: _Batch) -> dict[int, str]:
         wanted.add(key)
         if task:
             wanted.add(_task_suffixed(key, task))
-    known = {r.message_id: (r.task_id, r.message_type) for r in batch.rows
+    known = {r.message_id: (r.task_id, r.message_type, r.status) for r in batch.rows
              if r.message_id in wanted}
-    known.update({m: (t, k) for m, t, k in Message.objects.filter(
+    known.update({m: (t, k, s) for m, t, k, s in Message.objects.filter(
         message_id__in=wanted - set(known)).values_list("message_id", "task_id",
-                                                        "message_type")})
+                                                        "message_type", "status")})
+    retried = {known[key][0] for key, _, _, ours in batch.replies.values()
+               if ours and known.get(key, ("", "", ""))[2] == Status.RETRIED}
+    now_open = _open_attempts(retried)
     out: dict[int, str] = {}
     rows = {id(r): r for r in batch.rows}
     for row_id, (key, task, _, ours) in batch.replies.items():
@@ -490,10 +493,29 @@ def _targets(batch: _Batch) -> dict[int, str]:
         # the row its key names, whatever task id the agent gives it.
         if task and not ours and key in known and known[key][0] != task:
             target = _task_suffixed(key, task)
+        found = known.get(target, ("", "", ""))
+        answers_request = found[1] == MT.TASK_REQUEST
+        if ours and found[2] == Status.RETRIED and found[0] in now_open:
+            # An attempt the console gave up waiting for is answered after all (the
+            # responder was slow, or took it late): its task's attempt now under way
+            # takes the answer, as the profile's requester holds every Correlation Data
+            # of its task valid.
+            target = now_open[found[0]]
         rows[row_id].in_reply_to = target
-        if known.get(target, ("", ""))[1] == MT.TASK_REQUEST:
+        if answers_request:
             out[row_id] = target
     return out
+
+
+def _open_attempts(tasks: set[str]) -> dict[str, str]:
+    """The console's attempt under way for each of these tasks of the profile (the latest)."""
+    if not tasks:
+        return {}
+    return dict(Message.objects.filter(
+        task_id__in=tasks, direction=Direction.SEND, message_type=MT.TASK_REQUEST,
+        target_node_id=PROFILE_NODE_ID,
+        status__in=[Status.SENT, Status.PUBLISHED, Status.ACKED, Status.RETRYING])
+        .order_by("attempt", "id").values_list("task_id", "message_id"))
 
 
 def _late_replies(fresh: list[ReceivedRow], *, inserted: set[int], now: datetime

@@ -293,3 +293,24 @@ def test_an_artifact_before_any_status_acknowledges_the_request(now):
     profile_traffic_ingest([reply(row, artifact)], now=now)
     row.refresh_from_db()
     assert row.status == "ACKED" and row.ack_deadline_at is None
+
+
+def test_a_late_answer_to_a_retried_attempt_moves_the_attempt_under_way(now, settings):
+    """The profile's requester holds every Correlation Data of its task valid: a responder
+    that took the first attempt late answers it, and the task's current attempt is moved."""
+    settings.REACH_A2A_JITTER = 0.0
+    first = published(sent(now), now)
+    bus_heard(since=now - timedelta(minutes=1), until=now + timedelta(minutes=5))
+    moment = now + timedelta(milliseconds=15001)
+    deliveries_sweep(now=moment)
+    deliveries_sweep(now=moment + timedelta(seconds=1))
+    second = published(Message.objects.get(task_id="t-p", attempt=2), moment)
+    profile_traffic_ingest([reply(first, state("t-p", "TASK_STATE_WORKING")),
+                            reply(first, state("t-p", "TASK_STATE_COMPLETED"))], now=moment)
+    first.refresh_from_db()
+    second.refresh_from_db()
+    assert (first.status, second.status) == ("RETRIED", "COMPLETED")
+    # On the trace, the answers are the attempt's they moved.
+    assert Message.objects.filter(in_reply_to=second.message_id).count() == 2
+    assert profile_response(second)["result"]["task"]["status"] == {
+        "state": "TASK_STATE_COMPLETED"}
