@@ -314,3 +314,14 @@ def test_a_late_answer_to_a_retried_attempt_moves_the_attempt_under_way(now, set
     assert Message.objects.filter(in_reply_to=second.message_id).count() == 2
     assert profile_response(second)["result"]["task"]["status"] == {
         "state": "TASK_STATE_COMPLETED"}
+
+
+def test_the_trace_says_the_dialect_and_how_the_replies_find_the_request(now):
+    from tests.conftest import logged_in, reader
+
+    row = published(sent(now), now)
+    page = logged_in(reader("tess", password="pw-tess-1234567")).get(
+        f"/messages/{row.message_id}/").content.decode()
+    assert 'data-dialect="a2a-mqtt">A2A over MQTT · <code>SendMessage</code>' in page
+    assert f"replies to <code>{CONSOLE_REPLY}</code>" in page
+    assert f"Correlation Data <code>{row.headers['correlationData']}</code>" in page
