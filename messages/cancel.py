@@ -150,7 +150,8 @@ def _cancel(*, task_id: str, by: str, reason: str, member: str | None,
     for r in rows:
         if r.pk in bus and r.target_node_id:
             if is_profile_row(r):
-                per_node[r.to_agent_id] = profile_cancel_row(request=r, now=now)
+                told = profile_cancel_row(request=r, now=now)  # a pool's: to its member
+                per_node[told.to_agent_id] = told
             else:
                 per_node[r.target_node_id] = cancel_row(request=r, now=now)
     sent = messages_insert_new(list(per_node.values()), ledger=ledger)

@@ -164,7 +164,9 @@ def messages_send(*, requests: list[SendRequest], actor: str = "api", by: str = 
     resolved: dict[tuple, tuple[str, Resolution]] = {}
     for request in requests:
         try:
-            key = (request.to, request.target_node_id, request.from_agent_id, request.within)
+            key = (request.to, request.target_node_id, request.from_agent_id, request.within,
+                   # a pool's follow-ups go to the member that answered that task
+                   request.task_id if profile_pool_id(request.to.strip()) else None)
             if key not in resolved:
                 resolved[key] = _resolve_target(request, now)
             to_agent_id, resolution = resolved[key]

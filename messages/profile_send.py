@@ -32,7 +32,7 @@ from typing import Any
 
 from django.conf import settings
 
-from directory.resolver import Candidate, Resolution
+from directory.resolver import NOT_DELIVERABLE, Candidate, Resolution
 from messages.models import Direction, Message, Status
 from messages.profile_traffic import DIALECT, RESPONDER_PROPERTY, console_reply_topic, request_key
 from messages.protocol import MessageType, PayloadTooLarge
@@ -90,18 +90,20 @@ def task_responder(*, task_id: str, pool: str) -> str | None:
     # By the console's own requests of the task: a pool's member may give the task an id of
     # its own in its replies.
     asked = list(Message.objects.filter(task_id=task_id, direction=Direction.SEND,
-                                        message_type=MT.TASK_REQUEST)
-                 .values_list("message_id", flat=True)[:100])
+                                        message_type=MT.TASK_REQUEST,
+                                        resolution__target=pool)
+                 .order_by("-id").values_list("message_id", flat=True)[:100])
     if not asked:
         return None
     last = (Message.objects.filter(in_reply_to__in=asked, direction=Direction.RECV,
                                    headers__has_key="responder")
             .order_by("-id").values_list("headers", flat=True).first())
     value = str((last or {}).get("responder", ""))
+    org, unit = pool.split("/")[:2]
     if profile_agent_id(value):
-        return value
+        # A member of the pool is of its org and unit: another is not followed.
+        return value if value.startswith(f"{org}/{unit}/") else None
     if PROFILE_ID_RE.fullmatch(value):  # the profile's value: the member's own agent id
-        org, unit = pool.split("/")[:2]
         return f"{org}/{unit}/{value}"
     return None
 
@@ -111,6 +113,11 @@ def pool_resolution(*, pool_id: str, task_id: str | None) -> Resolution:
     are the profile's direct traffic), else the pool's shared topic, whose members the
     console cannot know (a pool no member listens to is silence: the first-reply timeout
     and the retries end it, with words)."""
+    if not settings.REACH_A2A_PROFILE:
+        return Resolution(None, None, "pool", f"{pool_id} is a pool of the A2A-over-MQTT "
+                          "profile, which this console does not speak now "
+                          "(REACH_A2A_PROFILE=0): nothing would hear its replies",
+                          outcome=NOT_DELIVERABLE)
     org = pool_id.split("/", 1)[0]
     responder = task_responder(task_id=task_id or "", pool=pool_id)
     if responder:

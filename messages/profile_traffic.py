@@ -482,9 +482,9 @@ def _targets(batch: _Batch) -> dict[int, str]:
     known.update({m: (t, k, s) for m, t, k, s in Message.objects.filter(
         message_id__in=wanted - set(known)).values_list("message_id", "task_id",
                                                         "message_type", "status")})
-    retried = {known[key][0] for key, _, _, ours in batch.replies.values()
+    retried = {key for key, _, _, ours in batch.replies.values()
                if ours and known.get(key, ("", "", ""))[2] == Status.RETRIED}
-    now_open = _open_attempts(retried)
+    now_open = _attempts_under_way(retried)
     out: dict[int, str] = {}
     rows = {id(r): r for r in batch.rows}
     for row_id, (key, task, _, ours) in batch.replies.items():
@@ -495,27 +495,40 @@ def _targets(batch: _Batch) -> dict[int, str]:
             target = _task_suffixed(key, task)
         found = known.get(target, ("", "", ""))
         answers_request = found[1] == MT.TASK_REQUEST
-        if ours and found[2] == Status.RETRIED and found[0] in now_open:
+        if ours and target in now_open:
             # An attempt the console gave up waiting for is answered after all (the
             # responder was slow, or took it late): its task's attempt now under way
             # takes the answer, as the profile's requester holds every Correlation Data
             # of its task valid.
-            target = now_open[found[0]]
+            target = now_open[target]
         rows[row_id].in_reply_to = target
         if answers_request:
             out[row_id] = target
     return out
 
 
-def _open_attempts(tasks: set[str]) -> dict[str, str]:
-    """The console's attempt under way for each of these tasks of the profile (the latest)."""
-    if not tasks:
+def _attempts_under_way(retried: set[str]) -> dict[str, str]:
+    """For each retried attempt of the console's (by message id), the attempt of its chain
+    under way now: its retry, that one's retry and so on (`resend_of`), when the last is
+    still open."""
+    if not retried:
         return {}
-    return dict(Message.objects.filter(
-        task_id__in=tasks, direction=Direction.SEND, message_type=MT.TASK_REQUEST,
-        target_node_id=PROFILE_NODE_ID,
-        status__in=[Status.SENT, Status.PUBLISHED, Status.ACKED, Status.RETRYING])
-        .order_by("attempt", "id").values_list("task_id", "message_id"))
+    rows = {m: (pk, t) for m, pk, t in Message.objects.filter(message_id__in=retried)
+            .values_list("message_id", "pk", "task_id")}
+    chain = {parent: (pk, message_id, status) for pk, message_id, status, parent in
+             Message.objects.filter(task_id__in={t for _, t in rows.values()},
+                                    direction=Direction.SEND, message_type=MT.TASK_REQUEST,
+                                    target_node_id=PROFILE_NODE_ID, resend_of__isnull=False)
+             .values_list("pk", "message_id", "status", "resend_of")[:1000]}
+    out = {}
+    for message_id, (pk, _) in rows.items():
+        last, hops = None, 0
+        while pk in chain and hops < 100:
+            pk, next_id, status = chain[pk]
+            last, hops = (next_id, status), hops + 1
+        if last and last[1] in (Status.SENT, Status.PUBLISHED, Status.ACKED, Status.RETRYING):
+            out[message_id] = last[0]
+    return out
 
 
 def _late_replies(fresh: list[ReceivedRow], *, inserted: set[int], now: datetime

@@ -325,3 +325,48 @@ def test_the_trace_says_the_dialect_and_how_the_replies_find_the_request(now):
     assert 'data-dialect="a2a-mqtt">A2A over MQTT · <code>SendMessage</code>' in page
     assert f"replies to <code>{CONSOLE_REPLY}</code>" in page
     assert f"Correlation Data <code>{row.headers['correlationData']}</code>" in page
+
+
+def pool_send(now, task: str) -> Message:
+    return published(message_send(request=SendRequest(to="acme/ops/pool/sum", task_id=task,
+                                                       payload={"text": task}), now=now), now)
+
+
+def test_a_bulk_resend_sends_each_pool_task_to_its_own_member(now):
+    from messages.outbound import messages_resend
+
+    rows = {task: pool_send(now, task) for task in ("t-a", "t-b")}
+    for (task, row), member in zip(rows.items(), ("worker-1", "worker-2"), strict=True):
+        profile_traffic_ingest([named(reply(row, state(task, "TASK_STATE_FAILED")), member)],
+                               now=now)
+    again = messages_resend(message_ids=[r.message_id for r in rows.values()], by="olga",
+                            now=now)
+    assert {r.task_id: r.to_agent_id for r in again} == {"t-a": "acme/ops/worker-1",
+                                                         "t-b": "acme/ops/worker-2"}
+
+
+def test_a_member_naming_an_agent_outside_the_pools_unit_is_not_followed(now):
+    row = pool_send(now, "t-out")
+    waiting = {"statusUpdate": {"taskId": "t-out", "status": {
+        "state": "TASK_STATE_INPUT_REQUIRED"}}}
+    profile_traffic_ingest([named(reply(row, waiting), "other/unit/agent")], now=now)
+    follow = message_send(request=SendRequest(to="acme/ops/pool/sum", task_id="t-out"),
+                          now=now)
+    assert follow.to_agent_id == "acme/ops/pool/sum"
+
+
+def test_cancel_tells_a_pools_member_once(now):
+    row = pool_send(now, "t-c")
+    waiting = {"statusUpdate": {"taskId": "t-c", "status": {
+        "state": "TASK_STATE_INPUT_REQUIRED"}}}
+    profile_traffic_ingest([named(reply(row, waiting), "worker-1")], now=now)
+    pool_send(now, "t-c")  # the follow-up, to worker-1, on the bus too
+    done = task_cancel(task_id="t-c", by="olga", now=now)
+    assert done.told == ["acme/ops/worker-1"]
+    assert Message.objects.filter(task_id="t-c", message_type="CANCEL").count() == 1
+
+
+def test_nothing_goes_to_a_pool_while_the_console_does_not_speak_the_profile(now, settings):
+    settings.REACH_A2A_PROFILE = False
+    row = message_send(request=SendRequest(to="acme/ops/pool/sum", task_id="t-off"), now=now)
+    assert row.status == "UNDELIVERABLE" and "REACH_A2A_PROFILE=0" in row.error
