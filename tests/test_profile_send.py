@@ -370,3 +370,18 @@ def test_nothing_goes_to_a_pool_while_the_console_does_not_speak_the_profile(now
     settings.REACH_A2A_PROFILE = False
     row = message_send(request=SendRequest(to="acme/ops/pool/sum", task_id="t-off"), now=now)
     assert row.status == "UNDELIVERABLE" and "REACH_A2A_PROFILE=0" in row.error
+
+
+def test_the_storm_guard_and_the_audit_hold_for_profile_sends(now, settings):
+    from reachconsole.core.audit import AuditEntry
+
+    settings.REACH_TASK_MAX_SENDS = 2
+    for _ in range(2):
+        sent(now, task_id="t-storm")
+    with pytest.raises(SendRefused) as refused:
+        sent(now, task_id="t-storm")
+    assert refused.value.code == "retry_storm"
+    assert "task t-storm was already transmitted 2 times to acme/ops/echo" in (
+        refused.value.detail)
+    task_cancel(task_id="t-storm", by="olga", reason="storm", now=now)
+    assert AuditEntry.objects.filter(action="cancel", target="t-storm", actor="olga").exists()
