@@ -13,9 +13,8 @@ from pydantic import model_validator
 
 from reachconsole.core.apidoc import BodyIn, JsonObject, json_int, refusals
 from roster import errors, ids, services
-from roster.errors import AgentNotFound, ConsoleAgent, NamespaceForbidden, NotOwner
+from roster.errors import AgentNotFound, ConsoleAgent, NamespaceForbidden, NoLease, NotOwner
 from roster.fields import (
-    AgentId,
     AgentIdInput,
     Capabilities,
     Groups,
@@ -24,7 +23,14 @@ from roster.fields import (
     RosterAgentId,
 )
 from roster.hearing import bus_hearing
-from roster.models import CONSOLE_AGENTS, Agent, ClusterNode, Consistency, is_console_agent
+from roster.models import (
+    CONSOLE_AGENTS,
+    Agent,
+    ClusterNode,
+    Consistency,
+    Dialect,
+    is_console_agent,
+)
 from roster.reconcile import roster_consistency
 from roster.selectors import AgentFilter, agents_filter, nodes_with_agents
 
@@ -294,10 +300,12 @@ def agent_detail(request: HttpRequest, agent_id: RosterAgentId):
     return Status(200, _agent_out(_existing_agent(request, agent_id), timezone.now()))
 
 
-@router.post("/agents/{agent_id}/heartbeat",
+@router.post("/agents/{agent:agent_id}/heartbeat",
              response={200: LeaseOut, **refusals(404, 409, body=True)}, by_alias=True)
-def heartbeat(request: HttpRequest, agent_id: AgentId, body: HeartbeatIn | None = None):
+def heartbeat(request: HttpRequest, agent_id: RosterAgentId, body: HeartbeatIn | None = None):
     agent = _existing_agent(request, agent_id, action="renew")
+    if agent.dialect != Dialect.NATIVE:
+        raise NoLease(errors.PROFILE_NO_LEASE.format(agent_id=agent.agent_id))
     body = body or HeartbeatIn()
     lease = services.agent_renew(
         agent_id=agent.agent_id, node_id=body.node_id, inflight=body.inflight,
@@ -306,18 +314,18 @@ def heartbeat(request: HttpRequest, agent_id: AgentId, body: HeartbeatIn | None 
     return Status(200, _lease_out(lease))
 
 
-@router.post("/agents/{agent_id}/drain", response={200: AgentOut, **refusals(404)},
+@router.post("/agents/{agent:agent_id}/drain", response={200: AgentOut, **refusals(404)},
              by_alias=True)
-def drain(request: HttpRequest, agent_id: AgentId):
+def drain(request: HttpRequest, agent_id: RosterAgentId):
     agent = _existing_agent(request, agent_id, action="drain")
     agent = services.agent_drain(agent_id=agent.agent_id, actor=request.auth.label)
     agent.refresh_from_db()
     return Status(200, _agent_out(agent, timezone.now()))
 
 
-@router.post("/agents/{agent_id}/undrain", response={200: AgentOut, **refusals(404, 409)},
-             by_alias=True)
-def undrain(request: HttpRequest, agent_id: AgentId):
+@router.post("/agents/{agent:agent_id}/undrain",
+             response={200: AgentOut, **refusals(404, 409)}, by_alias=True)
+def undrain(request: HttpRequest, agent_id: RosterAgentId):
     """Undo a drain: the agent takes new work again. 404 once it left the roster, 409 when
     its lease lapsed while draining (it is leaving)."""
     agent = _existing_agent(request, agent_id, action="undrain")

@@ -64,6 +64,11 @@ class LeaseLapsed(RosterError):
     status = 409
 
 
+class NoLease(RosterError):
+    code = "no_lease"
+    status = 409
+
+
 AGENT_ID_HELP = (
     "an agent id is `{namespace}.{name}` (or `namespace/name`): a lowercase namespace of "
     "letters, digits, '-' or '_', then a name of such segments joined by '.'; 265 characters "
@@ -111,6 +116,10 @@ CONSOLE_AGENT = (
 CONSOLE_NODE = (
     "node {node_id} is the console's own node; agents are registered there by the console "
     "only. Register the agent on the node that runs it"
+)
+PROFILE_NO_LEASE = (
+    "{agent_id} is an agent of the A2A-over-MQTT profile: it has no lease to renew; its "
+    "presence is what its retained Agent Card says (the broker's word)"
 )
 PROFILE_NODE = (
     "node {node_id} stands for the A2A-over-MQTT profile's agents, whom the broker serves; it "

@@ -325,6 +325,14 @@ def test_the_api_reads_and_deregisters_a_profile_agent_by_its_slashed_id(now, ap
     assert api.post("/api/roster/agents/fin.tax/drain").status_code == 200
     assert api.get("/api/roster/agents/acme/ops/nobody").status_code == 404
     assert api.get("/api/roster/agents/acme/ops").status_code == 404
+    drained = api.post("/api/roster/agents/acme/ops/echo/drain")
+    assert drained.status_code == 200 and drained.json()["status"] == "DRAINING"
+    back = api.post("/api/roster/agents/acme/ops/echo/undrain")
+    assert back.status_code == 200 and back.json()["status"] == "ONLINE"
+    renew = api.post("/api/roster/agents/acme/ops/echo/heartbeat")
+    assert renew.status_code == 409, renew.content
+    assert renew.json()["error"] == "no_lease"
+    assert "its presence is what its retained Agent Card says" in renew.json()["detail"]
     gone = api.delete("/api/roster/agents/acme/ops/echo")
     assert gone.status_code == 200, gone.content
     assert not Agent.objects.filter(agent_id="acme/ops/echo").exists()
