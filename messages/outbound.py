@@ -35,7 +35,7 @@ from messages.state import atomic_retrying
 from reachconsole.core.audit import audit_record
 from reachconsole.core.errors import ConsoleError
 from reachconsole.core.metrics import counters_add
-from roster.ids import profile_pool_id, stored_agent_id
+from roster.ids import profile_agent_id, profile_pool_id, stored_agent_id
 from roster.models import PROFILE_NODE_ID
 
 log = logging.getLogger(__name__)
@@ -318,8 +318,13 @@ def _dispatch(row: Message, resolution: Resolution, capacities: Capacities, *, a
     if not resolution.ok:
         reason = undeliverable_reason(resolution)
         _warn_once(row, resolution.reason)
+        extra = {}
+        if profile_agent_id(row.to_agent_id) or profile_pool_id(row.to_agent_id):
+            # Meant for the A2A-over-MQTT profile: on its node, so the lists' dialect filter
+            # finds it among the profile's.
+            extra["target_node_id"] = PROFILE_NODE_ID
         return _move(row, Status.UNDELIVERABLE, reason=reason, actor=actor, now=now,
-                     error=reason, finished_at=now)
+                     error=reason, finished_at=now, **extra)
     row.target_node_id = resolution.node_id
     if not is_profile_row(row):  # a profile row has its agent's request topic already
         row.topic = protocol.inbox_topic(settings.MQTT_TOPIC_PREFIX, resolution.node_id)

@@ -175,6 +175,7 @@ def test_an_agent_offline_or_without_a_card_is_undeliverable_with_words(now):
     assert "its Agent Card says a2a-status=offline" in row.error
     row = message_send(request=SendRequest(to="acme/ops/nobody"), now=now)
     assert row.status == "UNDELIVERABLE"
+    assert row.target_node_id == "a2a-mqtt"  # the profile's, for the dialect filter
     assert row.error.startswith("no Agent Card of acme/ops/nobody is known: nothing is "
                                 "retained on $a2a/v1/discovery/acme/ops/nobody")
 
