@@ -26,6 +26,11 @@ like the native dialect's, and a live check of the profile's rules.
 - What breaks the profile is flagged on the row (`headers.violations`) and counted once
   the row is stored (`reach_profile_violations_total{rule}`).
 
+The console's own requests (messages/profile_send.py) are rows of the same keys: their echo
+on the request tree is the row already stored, and the replies on the console's Response
+Topic are RECV rows, kept whole, that move them (`ours`); one to an attempt the console has
+retried moves that attempt's retry under way.
+
 A frame over REACH_MAX_MESSAGE_BYTES, not JSON, or of a shape the console cannot read is
 counted and skipped; what a row keeps of a frame is cut to a few hundred characters. A
 request's payload is not stored (REACH_STORE_OBSERVED_PAYLOADS), nor is any token: the
