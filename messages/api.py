@@ -44,7 +44,14 @@ from reachconsole.core.errors import ApiError
 from reachconsole.core.idle import db_then_idle
 from reachconsole.core.moments import utc_moment
 from roster.fields import AGENT_ID_INPUT_PATTERN, NAME, AgentIdInput, NodeId
-from roster.ids import agent_id_parse, agent_namespace, profile_pool_id, stored_agent_id
+from roster.ids import (
+    PROFILE_AGENT_PATTERN,
+    PROFILE_POOL_PATTERN,
+    agent_id_parse,
+    agent_namespace,
+    profile_pool_id,
+    stored_agent_id,
+)
 from roster.models import NAME_RE
 
 router = Router(tags=["a2a"])
@@ -53,8 +60,8 @@ ops_router = Router(tags=["ops"])
 
 # What `to` may be: an agent id, `@mention`, `capability:name` or `#group`.
 # ... or an A2A-over-MQTT profile agent's `org/unit/agent` (roster/ids.py PROFILE_ID_RE).
-_PROFILE_ID = r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+/(?:pool/)?[A-Za-z0-9_.-]+"
-TO_PATTERN = (rf"^(?:{CAPABILITY_PREFIX}{NAME}|#{NAME}|@.+|{_PROFILE_ID}|"
+TO_PATTERN = (rf"^(?:{CAPABILITY_PREFIX}{NAME}|#{NAME}|@.+|{PROFILE_AGENT_PATTERN}|"
+              rf"{PROFILE_POOL_PATTERN}|"
               rf"{AGENT_ID_INPUT_PATTERN.removeprefix('^').removesuffix('$')})$")
 
 

@@ -21,6 +21,7 @@ from django.db.models import Count
 
 from messages.models import Direction, Message, Status
 from messages.protocol import MessageType
+from roster.models import Dialect
 
 _rng = random.SystemRandom()
 
@@ -41,11 +42,8 @@ def ack_deadline(now: datetime, *, ack_ms: int | None = None) -> datetime:
 # A row of the A2A-over-MQTT profile (messages/profile_send.py) follows the profile's
 # requester rules instead: its first reply within REACH_A2A_FIRST_REPLY_MS stands for the
 # ACK, and its attempts and backoff are the profile's.
-PROFILE = "a2a-mqtt"
-
-
 def _profile(row: Message) -> bool:
-    return (row.headers or {}).get("dialect") == PROFILE
+    return (row.headers or {}).get("dialect") == Dialect.A2A_MQTT
 
 
 def silence_words(row: Message) -> str:

@@ -61,9 +61,8 @@ def _shape(row: Message, *, method: str) -> None:
     topic = reply_topic()
     row.message_id = request_key(topic, correlation.encode())
     row.topic = request_topic(row.to_agent_id)
-    if profile_pool_id(row.to_agent_id):
-        row.headers = {**(row.headers or {}), "pool": row.to_agent_id}
-    row.headers = {**(row.headers or {}), "dialect": DIALECT, "method": method,
+    pool = {"pool": row.to_agent_id} if profile_pool_id(row.to_agent_id) else {}
+    row.headers = {**(row.headers or {}), **pool, "dialect": DIALECT, "method": method,
                    "jsonrpcId": row.message_id, "responseTopic": topic,
                    "correlationData": correlation.encode().hex(),
                    "idleMs": settings.REACH_A2A_STREAM_IDLE_MS}

@@ -60,11 +60,11 @@ from messages.outbox import outbox_wake
 from messages.protocol import MessageType
 from messages.rows import ReceivedRow
 from messages.state import changes_apply, messages_insert_new
-from roster.models import PROFILE_NODE_ID
+from roster.models import PROFILE_NODE_ID, Dialect
 
 log = logging.getLogger(__name__)
 MT = MessageType
-DIALECT = "a2a-mqtt"
+DIALECT = Dialect.A2A_MQTT.value
 AUTH_PROPERTY, RESPONDER_PROPERTY = "a2a-authorization", "a2a-responder-agent-id"
 REQUEST_METHODS = {"SendMessage": MT.TASK_REQUEST, "SendStreamingMessage": MT.TASK_REQUEST,
                    "message/send": MT.TASK_REQUEST, "message/stream": MT.TASK_REQUEST,

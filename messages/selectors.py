@@ -29,7 +29,7 @@ from messages.partitions import history_partitioned, history_since, pk_floor, pk
 from messages.protocol import MessageType
 from reachconsole.core.errors import ConsoleError
 from reachconsole.core.moments import utc_moment
-from roster.models import PROFILE_NODE_ID
+from roster.models import PROFILE_NODE_ID, Dialect
 
 # Presets of the timeline's time window, in minutes back from now.
 SINCE_PRESETS = {"15": "15 min", "60": "1 h", "360": "6 h", "1440": "24 h", "10080": "7 days"}
@@ -73,9 +73,6 @@ def _when(name: str, value: str, now: datetime) -> datetime | None:
 
 def _text(get, name: str, limit: int) -> str:
     return (get.get(name) or "").strip()[:limit]
-
-
-DIALECTS = ("native", "a2a-mqtt")
 
 
 @dataclass(frozen=True)
@@ -123,9 +120,9 @@ class MessageFilter:
             raise FilterError(f"There is no direction {direction!r}; the directions are "
                               f"{', '.join(Direction.values)}.")
         dialect = _text(get, "dialect", 20).lower()
-        if dialect and dialect not in DIALECTS:
+        if dialect and dialect not in Dialect.values:
             raise FilterError(f"There is no dialect {dialect!r}; the dialects are "
-                              f"{', '.join(DIALECTS)}.")
+                              f"{', '.join(Dialect.values)}.")
         since, until = _text(get, "since", 40), _text(get, "until", 40)
         since_at, until_at = _when("since", since, now), _when("until", until, now)
         if since_at and until_at and since_at > until_at:

@@ -20,6 +20,7 @@ from roster.ids import (
     AGENT_ID_MAX_LENGTH,
     MAX_INFLIGHT_RANGE,
     MAX_LABELS,
+    PROFILE_AGENT_PATTERN,
     agent_id_parse,
     node_id_check,
     stored_agent_id,
@@ -78,7 +79,7 @@ AgentId = Annotated[
 RosterAgentId = Annotated[
     str,
     Field(pattern=rf"^(?:{AGENT_ID_PATTERN.removeprefix('^').removesuffix('$')}|"
-                  r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)$",
+                  rf"{PROFILE_AGENT_PATTERN})$",
           max_length=AGENT_ID_MAX_LENGTH,
           description="`namespace.name`, or an A2A-over-MQTT agent's `org/unit/agent`",
           examples=["fin.tax", "acme/ops/echo"]),

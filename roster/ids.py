@@ -18,6 +18,10 @@ MAX_LABELS = 64
 # The A2A-over-MQTT profile's identifiers (org, unit, agent, pool): "MUST match
 # ^[A-Za-z0-9_.-]+$"; its agents' ids on the roster are `{org}/{unit}/{agent}`.
 PROFILE_ID_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+_PART = PROFILE_ID_RE.pattern.removeprefix("^").removesuffix("$")
+# The same, for schemas: an agent `{org}/{unit}/{agent}`, and a pool `{org}/{unit}/pool/{p}`.
+PROFILE_AGENT_PATTERN = f"{_PART}/{_PART}/{_PART}"
+PROFILE_POOL_PATTERN = f"{_PART}/{_PART}/pool/{_PART}"
 MAX_INFLIGHT_RANGE = (1, 100_000)
 AGENT_ID_MAX_LENGTH = Agent._meta.get_field("agent_id").max_length
 

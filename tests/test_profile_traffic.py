@@ -360,9 +360,10 @@ def test_what_a_bridge_subscribes_of_the_profile_and_what_it_lets_go(
             f"{ROOT}/reply/reachconsole/ops/console/replies"]
 
 
-def test_the_timeline_and_task_list_tell_the_dialects_apart_by_node(now):
+def test_the_lists_and_the_api_tell_the_dialects_apart_by_node_and_dialect(now, api):
     """Every row of the profile is on the node `a2a-mqtt` (its agents' node on the roster):
-    the lists show it in their node column, and `node=a2a-mqtt` keeps only them."""
+    the lists show it in their node column with a badge, and `node=a2a-mqtt` or
+    `dialect=a2a-mqtt` keeps only them; `dialect=native` the others."""
     from messages.outbound import SendRequest, message_send
     from tests.conftest import logged_in, reader, register
 
@@ -378,25 +379,10 @@ def test_the_timeline_and_task_list_tell_the_dialects_apart_by_node(now):
                                ("/tasks/", "t-native", task)):
         both = viewer.get(path).content.decode()
         assert ours in both and theirs in both
-        profile = viewer.get(path, {"node": "a2a-mqtt"}).content.decode()
-        assert theirs in profile and ours not in profile
-
-
-def test_the_lists_and_the_api_filter_by_dialect_and_show_it(now, api):
-    from messages.outbound import SendRequest, message_send
-    from tests.conftest import logged_in, reader, register
-
-    register("fin.tax", "node-a", now=now)
-    native = message_send(request=SendRequest(to="fin.tax", task_id="t-native"))
-    task = str(uuid.uuid4())
-    profile_traffic_ingest([request(task)], now=now)
-    observed = the_request(task)
-    viewer = logged_in(reader("vera", password="pw-vera-1234567"))
-    for path, ours, theirs in (("/messages/", native.message_id, observed.message_id),
-                               ("/tasks/", "t-native", task)):
-        profile = viewer.get(path, {"dialect": "a2a-mqtt"}).content.decode()
-        assert theirs in profile and ours not in profile
-        assert 'data-dialect="a2a-mqtt"' in profile
+        for query in ({"node": "a2a-mqtt"}, {"dialect": "a2a-mqtt"}):
+            profile = viewer.get(path, query).content.decode()
+            assert theirs in profile and ours not in profile
+            assert 'data-dialect="a2a-mqtt"' in profile
         plain = viewer.get(path, {"dialect": "native"}).content.decode()
         assert ours in plain and theirs not in plain
         assert 'data-dialect="a2a-mqtt"' not in plain.split("<tbody", 1)[-1]
