@@ -33,7 +33,7 @@ from django.db.models.functions import Greatest
 
 from directory.resolver import resolve_agent_node
 from messages.models import INFLIGHT_STATUSES, AgentLoad, Change, Direction, Message, Status
-from messages.protocol import MessageType, inbox_topic
+from messages.protocol import MessageType, inbox_topic, profile_request_topic
 from roster.models import PROFILE_NODE_ID, Agent
 
 log = logging.getLogger(__name__)
@@ -207,8 +207,8 @@ def held_release(*, agent_ids: Iterable[str], now: datetime) -> tuple[list[int],
             continue
         # To the node the agent lives on now, which may not be the one it had when held.
         # An agent of the A2A-over-MQTT profile keeps its own request topic.
-        topic = (f"{settings.REACH_A2A_ROOT}/request/{agent_id}" if node == PROFILE_NODE_ID
-                 else inbox_topic(settings.MQTT_TOPIC_PREFIX, node))
+        topic = (profile_request_topic(settings.REACH_A2A_ROOT, agent_id)
+                 if node == PROFILE_NODE_ID else inbox_topic(settings.MQTT_TOPIC_PREFIX, node))
         released = Message.objects.filter(pk__in=pks, held=True, status=Status.SENT).update(
             held=False, publish_at=now, updated_at=now, target_node_id=node, topic=topic)
         capacity.held -= released

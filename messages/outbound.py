@@ -209,11 +209,7 @@ def _prepared_row(request: SendRequest, to_agent_id: str, resolution: Resolution
                                     to_agent_id=resolution.agent_id)
         if refusal:
             raise SendRefused(refusal, code="namespace_isolation", status=403)
-    profile = resolution.ok and resolution.node_id == PROFILE_NODE_ID
-    # A profile row's bytes are its JSON-RPC request, checked when it is shaped.
-    row = _request_row(request, to_agent_id=to_agent_id, now=now, encode=not profile)
-    if resolution.ok:
-        _profile_shaped(row, request, node_id=resolution.node_id, now=now)
+    row = _request_row(request, to_agent_id=to_agent_id, node_id=resolution.node_id, now=now)
     row.resolution = {
         "target": request.to, "level": resolution.level, "match": resolution.match,
         "reason": resolution.reason, "candidates": _visible(resolution, request.within),
@@ -221,20 +217,6 @@ def _prepared_row(request: SendRequest, to_agent_id: str, resolution: Resolution
     if request.within is not None:  # retries and resends of this task stay inside them
         row.resolution["within"] = sorted(request.within)
     return row
-
-
-def _profile_shaped(row: Message, request: SendRequest, *, node_id: str | None,
-                    now: datetime) -> None:
-    """A row routed to an agent of the A2A-over-MQTT profile becomes a JSON-RPC
-    SendMessage on its request topic (messages/profile_send.py)."""
-    if node_id != PROFILE_NODE_ID:
-        return
-    try:
-        profile_request_shape(row, timeout_given=bool(request.timeout_ms), now=now)
-    except protocol.PayloadTooLarge as exc:
-        raise SendRefused(str(exc), code="payload_too_large", status=413) from None
-    except (TypeError, ValueError) as exc:
-        raise SendRefused(f"the payload cannot be sent as JSON: {exc}") from None
 
 
 def _storm_guard(prepared: list[tuple[Message, Resolution]], *, now: datetime):
@@ -294,13 +276,16 @@ def _send_prepared(prepared: list[tuple[Message, Resolution]], *, actor: str, by
 
 
 def _request_row(request: SendRequest, *, to_agent_id: str, now: datetime,
-                 encode: bool = True) -> Message:
-    """The row for one send, refused (nothing written) when it cannot go on the wire."""
+                 node_id: str | None = None) -> Message:
+    """The row for one send, refused (nothing written) when it cannot go on the wire: an
+    envelope, or, routed to an agent of the A2A-over-MQTT profile (`node_id` its node), a
+    JSON-RPC SendMessage on its request topic (messages/profile_send.py)."""
     row = request_row(request=request, to_agent_id=to_agent_id, now=now)
-    if not encode:
-        return row
     try:
-        row_encode(row)
+        if node_id == PROFILE_NODE_ID:
+            profile_request_shape(row, timeout_given=bool(request.timeout_ms), now=now)
+        else:
+            row_encode(row)
     except protocol.PayloadTooLarge as exc:
         raise SendRefused(str(exc), code="payload_too_large", status=413) from None
     except (TypeError, ValueError) as exc:
@@ -366,9 +351,8 @@ def messages_send_group(*, group: str, request: SendRequest, actor: str = "api",
         # Each member executes its own copy: its own idempotency key within the task.
         member_key = group_member_key(task_id, member.agent_id)
         member_request = replace(request, task_id=task_id, idempotency_key=member_key)
-        row = _request_row(member_request, to_agent_id=member.agent_id, now=now,
-                           encode=member.node_id != PROFILE_NODE_ID)
-        _profile_shaped(row, member_request, node_id=member.node_id, now=now)
+        row = _request_row(member_request, to_agent_id=member.agent_id,
+                           node_id=member.node_id, now=now)
         row.resolution = {"target": label, "level": "group", "reason": f"member of {label}",
                           "candidates": candidates}
         prepared.append((row, Resolution(member.agent_id, member.node_id, "group", "member",

@@ -35,19 +35,13 @@ from django.conf import settings
 from directory.resolver import NOT_DELIVERABLE, Candidate, Resolution
 from messages.models import Direction, Message, Status
 from messages.profile_traffic import DIALECT, RESPONDER_PROPERTY, console_reply_topic, request_key
-from messages.protocol import MessageType, PayloadTooLarge
+from messages.protocol import MessageType, PayloadTooLarge, profile_request_topic
 from roster.ids import PROFILE_ID_RE, profile_agent_id, profile_pool_id
 from roster.models import PROFILE_NODE_ID
 
 MT = MessageType
 
 
-# The console's own Response Topic: `{root}/reply/{REACH_A2A_REQUESTER}/replies`.
-reply_topic = console_reply_topic
-
-
-def request_topic(agent_id: str) -> str:
-    return f"{settings.REACH_A2A_ROOT}/request/{agent_id}"
 
 
 def is_profile_row(row: Message) -> bool:
@@ -58,9 +52,9 @@ def _shape(row: Message, *, method: str) -> None:
     """The profile's addressing on a row of ours: a fresh Correlation Data, the message id
     its replies will name, the request topic, and what a trace shows of both."""
     correlation = uuid.uuid4().hex
-    topic = reply_topic()
+    topic = console_reply_topic()
     row.message_id = request_key(topic, correlation.encode())
-    row.topic = request_topic(row.to_agent_id)
+    row.topic = profile_request_topic(settings.REACH_A2A_ROOT, row.to_agent_id)
     pool = {"pool": row.to_agent_id} if profile_pool_id(row.to_agent_id) else {}
     row.headers = {**(row.headers or {}), **pool, "dialect": DIALECT, "method": method,
                    "jsonrpcId": row.message_id, "responseTopic": topic,

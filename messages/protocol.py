@@ -641,6 +641,11 @@ def inbox_topic(prefix: str, node_id: str) -> str:
     return f"{_validate_prefix(prefix)}/node/{validate_node_id(node_id)}/inbox"
 
 
+def profile_request_topic(root: str, agent_id: str) -> str:
+    """Where an A2A-over-MQTT agent (or pool) of the profile's root takes its requests."""
+    return f"{root}/request/{agent_id}"
+
+
 def heartbeat_topic(prefix: str, node_id: str) -> str:
     return f"{_validate_prefix(prefix)}/heartbeat/{validate_node_id(node_id)}"
 

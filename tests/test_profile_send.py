@@ -18,9 +18,13 @@ from messages.profile_send import (
     profile_encode,
     profile_response,
     publish_properties,
-    reply_topic,
 )
-from messages.profile_traffic import ProfileFrame, profile_traffic_ingest, request_key
+from messages.profile_traffic import (
+    ProfileFrame,
+    console_reply_topic,
+    profile_traffic_ingest,
+    request_key,
+)
 from messages.puback import Puback, pubacks_apply
 from messages.sweeps import deliveries_sweep
 from reachconsole.core.tokens import tokens_parse
@@ -70,7 +74,7 @@ def test_a_send_to_a_profile_agent_is_a_jsonrpc_request_on_its_request_topic(now
     assert (row.status, row.target_node_id, row.to_agent_id) == ("SENT", "a2a-mqtt", AGENT)
     assert row.topic == "$a2a/v1/request/acme/ops/echo"
     headers = row.headers
-    assert reply_topic() == CONSOLE_REPLY == headers["responseTopic"]
+    assert console_reply_topic() == CONSOLE_REPLY == headers["responseTopic"]
     assert (headers["dialect"], headers["method"]) == ("a2a-mqtt", "SendMessage")
     correlation = bytes.fromhex(headers["correlationData"])
     # Its id is what its replies name it by: the console's reply topic and its correlation.
